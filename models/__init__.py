@@ -1,0 +1,1 @@
+"""Model catalog, pulling and GGUF conversion."""
