@@ -68,8 +68,9 @@ def _whitespace_merges_first(tok: Tokenizer) -> Tokenizer:
 
 def _fix(tok: Tokenizer, arch: str, td: dict, add_bos: bool) -> Tokenizer:
     pre = td.get("pre_tokenizer_type")
-    if pre == "smollm":
-        # SmolLM2 splits every digit, then the GPT-2 byte-level regex.
+    if pre in ("smollm", "starcoder"):
+        # Every digit apart, then the GPT-2 byte-level regex (llama.cpp groups the
+        # two; its starcoder vocab test checks this path).
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
                 pre_tokenizers.Digits(individual_digits=True),

