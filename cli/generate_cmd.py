@@ -1,0 +1,139 @@
+"""`omnidraft generate`: speculative (or, with --model, plain) generation."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional
+
+import typer
+from rich.text import Text
+
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+
+
+class Printer:
+    """Streams target tokens as text; drafted ones optionally coloured."""
+
+    def __init__(self, tokenizer, console, show_draft: bool, quiet: bool):
+        self.detok, self.console = tokenizer.detokenizer, console
+        self.show_draft, self.quiet = show_draft, quiet
+        self.detok.reset()
+
+    def add(self, tokens: list[int], drafted: list[bool]) -> None:
+        for t, d in zip(tokens, drafted):
+            self.detok.add_token(t)
+            self._write(self.detok.last_segment, d)
+
+    def finish(self) -> None:
+        self.detok.finalize()
+        self._write(self.detok.last_segment, False)
+        self._write("\n", False)
+
+    def _write(self, text: str, drafted: bool) -> None:
+        if self.quiet or not self.show_draft:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        else:
+            self.console.print(Text(text, style="cyan" if drafted else ""), end="")
+
+
+def _fits_context(model, n_prompt: int, max_tokens: int) -> bool:
+    from omnidraft_mlx.pair import context_length
+
+    limit = context_length(model)
+    return limit is None or n_prompt + max_tokens <= limit
+
+
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt; '-' reads it from standard input."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Plain decoding with this model (no drafter)."),
+    draft: str = typer.Option(DEFAULT_DRAFT, "--draft", "-d", help="Drafter: catalog name, directory, .gguf or hub id."),
+    target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help="Target: catalog name, directory, .gguf or hub id."),
+    k: int = typer.Option(4, "--k", "-k", help="Draft tokens per round."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate."),
+    seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
+    translation: str = typer.Option("text", "--translation", help="Greedy draft translation: text or tokens."),
+    sampling: str = typer.Option("exact", "--sampling", help="Sampling mode: exact (lossless) or omnidraft (+n-grams)."),
+    show_draft: bool = typer.Option(False, "--show-draft", help="Colour the tokens that came from the drafter."),
+    no_profile: bool = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the generated text."),
+) -> None:
+    """Generate text from PROMPT, speculatively with a drafter unless --model is given."""
+    from omnidraft_mlx.blas import warn_if_slow_blas
+    from omnidraft_mlx.cli.main import console, err_console
+    from omnidraft_mlx.generate import PlainStats, plain_generate
+    from omnidraft_mlx.loading import load_model
+    from omnidraft_mlx.prompts import encode_prompt, user_messages
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if translation not in ("text", "tokens"):
+        raise OmniDraftError(f"unknown --translation '{translation}': use text or tokens")
+    if sampling not in ("exact", "omnidraft"):
+        raise OmniDraftError(f"unknown --sampling '{sampling}': use exact or omnidraft")
+    if max_tokens < 1:
+        raise OmniDraftError("--max-tokens must be at least 1")
+    if not quiet:
+        warn_if_slow_blas(err_console)
+    messages = user_messages(prompt, system)
+
+    target_name = model or target
+    target_model, target_tok = load_model(target_name)
+    target_ids = encode_prompt(target_tok, messages, raw)
+    if not _fits_context(target_model, len(target_ids), max_tokens):
+        raise OmniDraftError(
+            f"prompt ({len(target_ids)} tokens) + --max-tokens {max_tokens} exceed {target_name}'s "
+            "context: shorten the prompt or lower --max-tokens"
+        )
+    printer = Printer(target_tok, console, show_draft, quiet)
+
+    speculate = model is None
+    if speculate:
+        from omnidraft_mlx.pair import make_pair
+        from omnidraft_mlx.profile import load_ngrams, save_ngrams
+        from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+
+        draft_model, draft_tok = load_model(draft)
+        draft_ids = encode_prompt(draft_tok, messages, raw)
+        if not _fits_context(draft_model, len(draft_ids), max_tokens):
+            err_console.print(f"[yellow]note:[/] the prompt is too long for the drafter {draft}: plain decoding")
+            speculate = False
+    if speculate:
+        ngrams = None if no_profile else load_ngrams(draft, target)
+        pair = make_pair(draft_model, draft_tok, target_model, target_tok, ngrams)
+        cfg = SpecConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed,
+                         translation=translation, sampling=sampling)
+        stats = SpecStats()
+        try:
+            for new, drafted in speculative_generate(pair, draft_ids, target_ids, cfg, stats):
+                printer.add(new, drafted)
+        finally:
+            printer.finish()
+            if not no_profile:
+                save_ngrams(draft, target, pair.ngrams)
+        if not quiet:
+            err_console.print(
+                f"[dim]{stats.emitted} tokens, {stats.tokens_per_s:.2f} tok/s | acceptance "
+                f"{stats.acceptance:.2f} | {stats.tokens_per_forward:.2f} tokens/target forward | "
+                f"n-gram hits {stats.ngram_hits} (cache {len(pair.ngrams)}) | vocab intersection "
+                f"{pair.vmap.size} | prefill {stats.prefill_s:.2f}s | draft {stats.draft_s:.1f}s "
+                f"verify {stats.verify_s:.1f}s other {stats.other_s:.2f}s[/]"
+            )
+    else:
+        stats = PlainStats()
+        try:
+            for t in plain_generate(target_model, target_tok, target_ids, stats, temp, top_p, max_tokens, seed):
+                printer.add([t], [False])
+        finally:
+            printer.finish()
+        if not quiet:
+            err_console.print(
+                f"[dim]{stats.emitted} tokens, {stats.tokens_per_s:.2f} tok/s | "
+                f"time to first token {stats.prefill_s:.2f}s[/]"
+            )
