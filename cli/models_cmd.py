@@ -30,13 +30,13 @@ def list_models():
     from omnidraft_mlx.models.pull import local_state, model_home
 
     table = Table(title=f"models in {model_home()}")
-    for col in ("name", "state", "size", "description"):
+    for col in ("name", "role", "state", "size", "description"):
         table.add_column(col)
-    roles = {DEFAULT_DRAFT: " (default drafter)", DEFAULT_TARGET: " (default target)"}
+    roles = {DEFAULT_DRAFT: "default drafter", DEFAULT_TARGET: "default target"}
     for row in local_state():
         state = {"ready": "[green]ready[/]", "not pulled": "[dim]not pulled[/]"}.get(row["status"], row["status"])
         table.add_row(
-            row["name"] + roles.get(row["name"], ""), state,
+            row["name"], roles.get(row["name"], "" if row["catalog"] else "imported"), state,
             _human(row["size"]) if row["size"] else "-", row["description"],
         )
     Console().print(table)
