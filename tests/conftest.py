@@ -1,15 +1,16 @@
 import pytest
 from mlx_lm import load
 
-from tiny_models import build_tiny_pair
+from tiny_models import build_tiny_models
 
 
 @pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory):
-    return build_tiny_pair(tmp_path_factory.mktemp("tiny"))
+def tiny_dirs(tmp_path_factory) -> dict:
+    """Paths of the tiny trained models: "draft", "target", "same"."""
+    return build_tiny_models(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tiny_dirs):
-    """((draft model, draft tokenizer), (target model, target tokenizer))."""
-    return load(str(tiny_dirs[0])), load(str(tiny_dirs[1]))
+def tiny(tiny_dirs) -> dict:
+    """(model, tokenizer) per tiny model name."""
+    return {name: load(str(path)) for name, path in tiny_dirs.items()}

@@ -120,13 +120,16 @@ def train_lm(model, tok: Tokenizer, text: str, steps: int, seq: int = 64, batch:
         mx.eval(model.parameters(), opt.state, loss)
 
 
-def build_tiny_pair(root: Path, steps: int = 300) -> tuple[Path, Path]:
-    """(drafter dir, target dir); the target tokenizer is bigger and trained on other text."""
+def build_tiny_models(root: Path, steps: int = 300) -> dict[str, Path]:
+    """Model dirs: "draft" and "target" (different tokenizers: the target's is
+    bigger and trained on other text) and "same" (a drafter with the target's tokenizer)."""
     draft_tok = train_tokenizer(corpus("draft"), 420)
     target_tok = train_tokenizer(corpus("target"), 600)
-    draft = write_model(root / "tiny-draft", draft_tok, 48, 2, seed=1, train_text=TEXT, train_steps=steps)
-    target = write_model(root / "tiny-target", target_tok, 64, 2, seed=2, train_text=TEXT, train_steps=steps)
-    return draft, target
+    return {
+        "draft": write_model(root / "tiny-draft", draft_tok, 48, 2, seed=1, train_text=TEXT, train_steps=steps),
+        "target": write_model(root / "tiny-target", target_tok, 64, 2, seed=2, train_text=TEXT, train_steps=steps),
+        "same": write_model(root / "tiny-same", target_tok, 48, 2, seed=3, train_text=TEXT, train_steps=steps),
+    }
 
 
 def build_random_pair(root: Path) -> tuple[Path, Path]:
