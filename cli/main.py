@@ -21,11 +21,13 @@ err_console = Console(stderr=True, highlight=False)
 
 
 def _register() -> None:
-    from omnidraft_mlx.cli import doctor_cmd, generate_cmd, models_cmd
+    from omnidraft_mlx.cli import bench_cmd, chat_cmd, doctor_cmd, generate_cmd, models_cmd
 
     app.add_typer(models_cmd.app, name="models", help="Pull, import, list and remove models.")
     app.command("generate")(generate_cmd.generate)
     app.command("doctor")(doctor_cmd.doctor)
+    app.command("bench")(bench_cmd.bench)
+    app.command("chat")(chat_cmd.chat)
 
 
 def main() -> None:

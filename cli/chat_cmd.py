@@ -1,0 +1,160 @@
+"""`omnidraft chat`: a terminal chat that speculates and learns from the conversation.
+
+The conversation logic is in omnidraft_mlx/chat.py; this is the terminal: line
+editing and history (readline), streaming, Ctrl-C / Ctrl-D.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+
+PROMPT, MORE = "you> ", "...> "
+BLOCK = '"""'
+DRAFTED, RESET = "\x1b[36m", "\x1b[0m"
+
+
+def _setup_history():
+    try:
+        import readline  # noqa: F401  (line editing for input())
+    except ImportError:  # not on every platform: plain input() still works
+        return None
+    from omnidraft_mlx.models.pull import model_home
+
+    path = model_home() / "chat_history"
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+    return path
+
+
+def _save_history(path) -> None:
+    import readline
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        readline.write_history_file(path)
+    except OSError:
+        pass  # history is a convenience: never fail the chat over it
+
+
+def read_message() -> str:
+    """One message: a line, lines joined by a trailing backslash, or a \"\"\" block."""
+    line = input(PROMPT)
+    if line.strip() == BLOCK:
+        lines = []
+        while (line := input(MORE)).strip() != BLOCK:
+            lines.append(line)
+        return "\n".join(lines)
+    lines = []
+    while line.endswith("\\"):
+        lines.append(line[:-1])
+        line = input(MORE)
+    return "\n".join(lines + [line])
+
+
+def chat(
+    draft: str = typer.Option(DEFAULT_DRAFT, "--draft", "-d", help="Drafter: catalog name, directory, .gguf or hub id."),
+    target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help="Target: catalog name, directory, .gguf or hub id."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    k: int = typer.Option(4, "--k", "-k", help="Draft tokens per round."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Most tokens per reply."),
+    seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
+    context: Optional[int] = typer.Option(None, "--context", help="Most tokens of conversation sent to the models "
+                                          "(default: the models' limit); older turns are trimmed."),
+    show_draft: bool = typer.Option(False, "--show-draft", help="Colour the tokens that came from the drafter."),
+    adapt: bool = typer.Option(True, "--adapt/--no-adapt", help="Learn from the replies (switch with /adapt)."),
+    no_profile: bool = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile."),
+) -> None:
+    """Chat with TARGET, DRAFT speculating; the pair learns from the conversation."""
+    from omnidraft_mlx.blas import warn_if_slow_blas
+    from omnidraft_mlx.chat import ChatConfig, ChatSession, Conversation, stats_line
+    from omnidraft_mlx.cli.main import console, err_console
+    from omnidraft_mlx.loading import load_model
+    from omnidraft_mlx.pair import make_pair
+    from omnidraft_mlx.profile import load_ngrams, save_ngrams
+
+    if max_tokens < 1 or k < 1:
+        raise OmniDraftError("--max-tokens and --k must be at least 1")
+    if context is not None and context < 64:
+        raise OmniDraftError("--context must be at least 64 tokens")
+    warn_if_slow_blas(err_console)
+    with console.status(f"loading {draft} and {target}"):
+        draft_model, draft_tok = load_model(draft)
+        target_model, target_tok = load_model(target)
+        pair = make_pair(draft_model, draft_tok, target_model, target_tok,
+                         None if no_profile else load_ngrams(draft, target))
+    on_save = None if no_profile else (lambda: save_ngrams(draft, target, pair.ngrams))
+    cfg = ChatConfig(k, temp, top_p, max_tokens, seed, context, adapt)
+    session = ChatSession(pair, cfg, Conversation(system), learner=None, on_save=on_save)
+    with console.status("timing the target's plain decoding step (for the speedup estimate)"):
+        session.measure_plain_speed()
+    console.print(
+        f"[bold]{draft}[/] drafting for [bold]{target}[/] | vocabulary intersection {pair.vmap.size}"
+        f" | n-gram cache {len(pair.ngrams)} | plain target {1 / session.plain_step_s:.1f} tok/s\n"
+        "[dim]/help for commands, Ctrl-C stops a reply, Ctrl-D or /quit leaves[/]"
+    )
+    history = _setup_history() if sys.stdin.isatty() else None
+    colour = show_draft and sys.stdout.isatty()
+    try:
+        while True:
+            try:
+                text = read_message()
+            except KeyboardInterrupt:
+                console.print("\n[dim](Ctrl-D or /quit leaves)[/]")
+                continue
+            except EOFError:
+                console.print()
+                break
+            try:
+                if text.startswith("/"):
+                    out, quit_ = session.command(text)
+                    if out:
+                        console.print(out, markup=False)
+                    if quit_:
+                        break
+                elif text.strip():
+                    _reply(session, text, colour, console, stats_line)
+            except OmniDraftError as e:
+                err_console.print(f"[bold red]error:[/] {e}")
+    finally:
+        if on_save:
+            on_save()
+        if history:
+            _save_history(history)
+
+
+def _reply(session, text: str, colour: bool, console, stats_line) -> None:
+    reply = session.start(text)
+    for note in reply.notes:
+        console.print(f"[yellow]({note})[/]")
+    interrupted = False
+    try:
+        for piece, drafted in session.stream(reply):
+            sys.stdout.write(f"{DRAFTED}{piece}{RESET}" if colour and drafted else piece)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        note = session.finish(reply)
+    note = "interrupted" if interrupted else note
+    sys.stdout.write("\n")
+    if note:
+        console.print(f"[yellow]({note})[/]")
+    console.print(f"[dim]{stats_line(reply.stats, session.plain_step_s)}[/]")
+    if session.learner is not None and session.cfg.adapt:
+        with console.status("updating the drafter on this conversation (Ctrl-C skips)"):
+            try:
+                if session.adapt():
+                    console.print("[dim](drafter updated and saved to the profile)[/]")
+            except KeyboardInterrupt:
+                console.print("[dim](drafter update skipped)[/]")

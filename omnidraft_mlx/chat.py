@@ -1,0 +1,309 @@
+"""A multi-turn chat that speculates: conversation state, context trimming,
+streaming text, per-reply statistics and learning from the replies.
+
+Each turn re-encodes the whole conversation in each model's own chat template
+and runs one speculative generation over it (both models prefill again; KV
+caches are not kept across turns). The terminal UI lives in cli/chat_cmd.py.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.pair import Pair, context_length
+from omnidraft_mlx.prompts import encode_prompt
+from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+
+ROLES = ("system", "user", "assistant")
+HELP = """\
+commands:
+  /help            this list
+  /stats           statistics of this session
+  /reset           start a new conversation (keeps the system prompt)
+  /save FILE       save the conversation as JSON
+  /load FILE       load a conversation saved with /save (or a JSON list of messages)
+  /adapt on|off    learn from the replies (online drafter updates) or not
+  /quit            leave (also Ctrl-D)
+input: end a line with \\ to continue on the next one, or put \"\"\" alone on a line
+to start and end a multi-line block. Ctrl-C stops a reply and keeps the conversation."""
+
+
+@dataclass
+class ChatConfig:
+    k: int = 4
+    temp: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 512
+    seed: int = 0
+    context: int | None = None  # cap on prompt + reply tokens; default the models' limit
+    adapt: bool = True
+
+
+@dataclass
+class Conversation:
+    system: str | None = None
+    turns: list[dict] = field(default_factory=list)  # user/assistant messages, oldest first
+    first: int = 0  # turns before this one were trimmed: no longer sent to the models
+
+    def sent(self) -> list[dict]:
+        """The messages the models see."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.turns[self.first :]
+
+    def drop_oldest_exchange(self) -> int:
+        """Stop sending the oldest user message and the replies after it; how many went."""
+        end = self.first + 1
+        while end < len(self.turns) and self.turns[end]["role"] != "user":
+            end += 1
+        if end >= len(self.turns):  # only the newest user message is left
+            return 0
+        dropped, self.first = end - self.first, end
+        return dropped
+
+    def to_json(self) -> str:
+        return json.dumps({"messages": self.all_messages()}, indent=2, ensure_ascii=False)
+
+    def all_messages(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.turns
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(Path(path).expanduser(), self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Conversation":
+        """A saved conversation: {"messages": [...]} or a bare list of {role, content}."""
+        path = Path(path).expanduser()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise OmniDraftError(f"no such file: {path}") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise OmniDraftError(f"cannot read {path} as a JSON conversation: {e}") from None
+        messages = data.get("messages") if isinstance(data, dict) else data
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise OmniDraftError(
+                f"{path} is not a conversation: expected a list of "
+                '{"role": "system"|"user"|"assistant", "content": "..."} messages'
+            )
+        system = "\n\n".join(m["content"] for m in messages if m["role"] == "system") or None
+        return cls(system, [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "system"])
+
+
+class TextStream:
+    """Target ids -> text, from the tokens' own bytes: a piece that ends inside
+    a UTF-8 character waits for the rest, and no leading space is lost."""
+
+    def __init__(self, target_bytes: list[bytes | None]):
+        self.target_bytes = target_bytes
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token: int) -> str:
+        return self.decoder.decode(self.target_bytes[token] or b"")
+
+    def finish(self) -> str:
+        return self.decoder.decode(b"", final=True)
+
+
+def plain_step_seconds(model, prompt_ids: list[int], steps: int = 4) -> float:
+    """Median time of one plain decoding step (a one-token target forward)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from omnidraft_mlx.speculative import prefill
+
+    cache = make_prompt_cache(model)
+    prefill(model, cache, prompt_ids)
+    times = []
+    for _ in range(steps + 1):  # the first step warms up
+        t0 = time.perf_counter()
+        mx.eval(model(mx.array([[prompt_ids[-1]]]), cache=cache))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def add_stats(total: SpecStats, s: SpecStats) -> None:
+    for name in ("prompt_tokens", "prefill_s", "generate_s", "draft_s", "verify_s", "rounds",
+                 "proposed", "accepted", "emitted", "ngram_hits", "draft_forwards"):
+        setattr(total, name, getattr(total, name) + getattr(s, name))
+
+
+def speedup(stats: SpecStats, plain_step_s: float | None) -> float | None:
+    """Estimated speedup: speculative tokens/s over the target's plain rate (1 / step time)."""
+    return stats.tokens_per_s * plain_step_s if plain_step_s and stats.generate_s else None
+
+
+def stats_line(stats: SpecStats, plain_step_s: float | None) -> str:
+    line = (f"{stats.emitted} tokens, {stats.tokens_per_s:.1f} tok/s | acceptance {stats.acceptance:.2f}"
+            f" | {stats.tokens_per_forward:.2f} tokens/target forward")
+    est = speedup(stats, plain_step_s)
+    if est is not None:
+        line += f" | ~{est:.2f}x plain target ({1 / plain_step_s:.1f} tok/s)"
+    return line + f" | prefill {stats.prefill_s:.1f}s"
+
+
+@dataclass
+class Reply:
+    """One reply in progress: stream() it, then hand it to ChatSession.finish()."""
+
+    draft_ids: list[int]
+    target_ids: list[int]
+    max_tokens: int  # this reply's budget: --max-tokens or what the context leaves
+    notes: list[str] = field(default_factory=list)  # to show before the reply (trimming)
+    stats: SpecStats = field(default_factory=SpecStats)
+    ids: list[int] = field(default_factory=list)  # target ids generated so far
+    text: str = ""
+
+
+class ChatSession:
+    """A conversation with a drafter/target pair; learns from every reply."""
+
+    def __init__(self, pair: Pair, cfg: ChatConfig, conversation: Conversation | None = None,
+                 learner=None, on_save=None):
+        self.pair, self.cfg = pair, cfg
+        self.conv = conversation or Conversation()
+        self.learner = learner  # optional: observe(messages, reply_ids), maybe_update() -> bool
+        self.on_save = on_save  # persists what was learned (the profile); called after replies
+        self.totals = SpecStats()
+        self.replies = 0
+        self.ngrams_at_start = len(pair.ngrams)
+        self.plain_step_s: float | None = None
+        limits = [context_length(pair.draft), context_length(pair.target), cfg.context]
+        self.limit = min(x for x in limits if x) if any(limits) else None
+
+    def measure_plain_speed(self) -> float:
+        ids = list(self.pair.target_tok.encode("Hello! Can you help me write a small function today?"))
+        self.plain_step_s = plain_step_seconds(self.pair.target, ids)
+        return self.plain_step_s
+
+    def _encode(self) -> tuple[list[int], list[int]]:
+        messages = self.conv.sent()
+        return encode_prompt(self.pair.draft_tok, messages), encode_prompt(self.pair.target_tok, messages)
+
+    def start(self, text: str) -> Reply:
+        """Add the user's message, trimming the oldest turns until it fits the context."""
+        self.conv.turns.append({"role": "user", "content": text})
+        draft_ids, target_ids = self._encode()
+        notes, max_tokens = [], self.cfg.max_tokens
+        if self.limit:
+            # Leave room for a reply (a quarter of the context at most), plus a draft block.
+            room = min(self.cfg.max_tokens, self.limit // 4) + self.cfg.k
+            dropped = 0
+            while max(len(draft_ids), len(target_ids)) + room > self.limit:
+                n = self.conv.drop_oldest_exchange()
+                if not n:
+                    self.conv.turns.pop()
+                    raise OmniDraftError(
+                        f"this message is too long for the context ({max(len(draft_ids), len(target_ids))} "
+                        f"tokens of {self.limit}, {room} kept for the reply): shorten it"
+                    )
+                dropped += n
+                draft_ids, target_ids = self._encode()
+            if dropped:
+                notes.append(f"context nearly full: the {dropped} oldest messages are no longer sent to the models")
+            max_tokens = min(max_tokens, self.limit - max(len(draft_ids), len(target_ids)) - self.cfg.k)
+        return Reply(draft_ids, target_ids, max_tokens, notes)
+
+    def stream(self, reply: Reply) -> Iterator[tuple[str, bool]]:
+        """Yield (text, drafted) per accepted target token, as verification commits them."""
+        cfg = SpecConfig(k=self.cfg.k, temp=self.cfg.temp, top_p=self.cfg.top_p,
+                         max_tokens=reply.max_tokens, seed=self.cfg.seed + self.replies)
+        out = TextStream(self.pair.vmap.target_bytes)
+        try:
+            for new, drafted in speculative_generate(self.pair, reply.draft_ids, reply.target_ids, cfg, reply.stats):
+                for t, d in zip(new, drafted):
+                    reply.ids.append(t)
+                    piece = out.add(t)
+                    reply.text += piece
+                    yield piece, d
+        finally:
+            reply.text += out.finish()
+
+    def finish(self, reply: Reply) -> str | None:
+        """Commit a (possibly interrupted) reply; a note on why it stopped early, if it did."""
+        self.conv.turns.append({"role": "assistant", "content": reply.text})
+        self.replies += 1
+        add_stats(self.totals, reply.stats)
+        if self.learner is not None and self.cfg.adapt and reply.ids:
+            self.learner.observe(self.conv.sent(), reply.ids)
+        if self.on_save:
+            self.on_save()
+        if len(reply.ids) >= reply.max_tokens:
+            return "stopped: the context is full" if reply.max_tokens < self.cfg.max_tokens else (
+                f"stopped at --max-tokens {self.cfg.max_tokens}")
+        return None
+
+    def adapt(self) -> bool:
+        """Update the drafter if enough replies have gathered (between turns)."""
+        if self.learner is None or not self.cfg.adapt or not self.learner.maybe_update():
+            return False
+        if self.on_save:
+            self.on_save()
+        return True
+
+    def reset(self) -> None:
+        self.conv = Conversation(self.conv.system)
+
+    def stats_text(self) -> str:
+        t = self.totals
+        sent = self.conv.sent()
+        used = len(encode_prompt(self.pair.target_tok, sent)) if any(m["content"] for m in sent) else 0
+        lines = [
+            f"replies {self.replies}, {t.emitted} tokens in {t.generate_s:.1f}s decoding + {t.prefill_s:.1f}s prefill",
+            f"{t.tokens_per_s:.1f} tok/s | acceptance {t.acceptance:.2f} ({t.accepted}/{t.proposed})"
+            f" | {t.tokens_per_forward:.2f} tokens/target forward | draft {t.draft_s:.1f}s verify {t.verify_s:.1f}s",
+        ]
+        if (est := speedup(t, self.plain_step_s)) is not None:
+            lines.append(f"estimated speedup ~{est:.2f}x: tok/s over the target's plain rate "
+                         f"{1 / self.plain_step_s:.1f} tok/s (one-token forwards timed at start)")
+        lines.append(f"n-gram cache {len(self.pair.ngrams)} entries (+{len(self.pair.ngrams) - self.ngrams_at_start} "
+                     f"this session, {t.ngram_hits} hits) | vocabulary intersection {self.pair.vmap.size}")
+        lines.append(f"conversation {len(self.conv.turns)} messages, {len(self.conv.turns) - self.conv.first} sent, "
+                     f"{used} target tokens" + (f" of {self.limit}" if self.limit else ""))
+        learning = "off" if not self.cfg.adapt else ("on" if self.learner is not None else "n-gram cache only")
+        lines.append(f"adaptation {learning}" + (f": {self.learner.describe()}" if self.learner is not None
+                                                  and hasattr(self.learner, "describe") else ""))
+        return "\n".join(lines)
+
+    def command(self, line: str) -> tuple[str, bool]:
+        """Run an in-chat command; (what to show, whether to quit)."""
+        name, _, arg = line.strip().partition(" ")
+        arg = arg.strip()
+        if name in ("/quit", "/exit"):
+            return "", True
+        if name == "/help":
+            return HELP, False
+        if name == "/stats":
+            return self.stats_text(), False
+        if name == "/reset":
+            self.reset()
+            return "new conversation", False
+        if name in ("/save", "/load") and not arg:
+            raise OmniDraftError(f"{name} needs a file name: {name} FILE")
+        if name == "/save":
+            self.conv.save(arg)
+            return f"saved {len(self.conv.all_messages())} messages to {arg}", False
+        if name == "/load":
+            conv = Conversation.load(arg)
+            conv.system = conv.system or self.conv.system  # a file without one keeps --system
+            self.conv = conv
+            return f"loaded {len(conv.all_messages())} messages from {arg}", False
+        if name == "/adapt":
+            if arg not in ("on", "off"):
+                raise OmniDraftError("use /adapt on or /adapt off")
+            self.cfg.adapt = arg == "on"
+            if self.learner is None and self.cfg.adapt:
+                return "adaptation on (only the n-gram cache learns: no drafter learner available)", False
+            return f"adaptation {arg}", False
+        raise OmniDraftError(f"unknown command {name}: /help lists them")
