@@ -1,0 +1,71 @@
+"""What one model costs here: plain decode speed and one forward over 1/4/8 tokens.
+
+Speculative decoding wins when verifying n tokens in one target forward costs
+much less than n single-token forwards, and when a drafter step is cheap next
+to a target step; these two numbers per model say how much room there is.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from omnidraft_mlx.generate import PlainStats, plain_generate
+from omnidraft_mlx.speculative import prefill
+
+CACHED = 200  # tokens already in the KV cache, as mid-generation
+WIDTHS = (1, 4, 8)
+DECODE_TOKENS = 32
+
+
+def _context(tokenizer, n: int) -> list[int]:
+    """n token ids of ordinary English text."""
+    text = "The quick brown fox jumps over the lazy dog while the farmer counts his sheep. " * 40
+    return list(tokenizer.encode(text))[:n]
+
+
+def forward_cost(model, tokenizer, repeats: int = 5) -> dict:
+    ids = _context(tokenizer, CACHED + max(WIDTHS))
+    cache = make_prompt_cache(model)
+    prefill(model, cache, ids[:CACHED])
+    forward_ms = {}
+    for width in WIDTHS:
+        x = mx.array(ids[CACHED : CACHED + width])[None]
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            mx.eval(model(x, cache=cache))
+            times.append(time.perf_counter() - start)
+            trim_prompt_cache(cache, width)
+        forward_ms[str(width)] = 1000 * float(np.median(times[1:]))
+    stats = PlainStats()
+    for _ in plain_generate(model, tokenizer, ids[:CACHED], stats, max_tokens=DECODE_TOKENS):
+        pass
+    return {
+        "cached_tokens": CACHED,
+        "forward_ms": forward_ms,
+        "decode_tokens": stats.emitted,
+        "decode_tokens_per_s": stats.tokens_per_s,
+    }
+
+
+def run_forward_cost(names: list[str], progress=None) -> dict:
+    """Forward cost of each named model (loaded one at a time) and the environment."""
+    from omnidraft_mlx.bench.run import environment_base
+    from omnidraft_mlx.loading import load_model
+    from omnidraft_mlx.models.pull import model_hash
+
+    task = progress.add_task("forward cost", total=len(names)) if progress else None
+    models = {}
+    for name in names:
+        if progress:
+            progress.update(task, description=f"forward cost {name}")
+        model, tokenizer = load_model(name)
+        models[name] = {"gguf_sha256": model_hash(name), **forward_cost(model, tokenizer)}
+        del model
+        if progress:
+            progress.advance(task)
+    return {"environment": environment_base(), "models": models}

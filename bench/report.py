@@ -1,0 +1,119 @@
+"""Per task and method summaries of bench records, as a table and as JSON rows."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from omnidraft_mlx.atomic import atomic_write_text
+
+ALL = "all"
+
+
+def _total(records: list[dict], key: str) -> float | None:
+    values = [r[key] for r in records]
+    return None if any(v is None for v in values) else float(sum(values))
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (task, method), plus task "all"; speedups are per-prompt ratios."""
+    tasks = list(dict.fromkeys(r["task"] for r in records)) + [ALL]
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    rows = []
+    for task in tasks:
+        for method in methods:
+            group = [r for r in records if r["method"] == method and task in (ALL, r["task"])]
+            if not group:
+                continue
+            speedups = np.array([r["speedup"] for r in group if r["speedup"] is not None])
+            tokens, gen = _total(group, "tokens"), _total(group, "generate_s")
+            rows.append({
+                "task": task, "method": method, "prompts": len(group),
+                "ttft_s": float(np.median([r["ttft_s"] for r in group])),
+                "tokens_per_s": float(np.median([r["tokens_per_s"] for r in group])),
+                "speedup_median": float(np.median(speedups)) if len(speedups) else None,
+                "speedup_min": float(speedups.min()) if len(speedups) else None,
+                "speedup_max": float(speedups.max()) if len(speedups) else None,
+                "speedup_iqr": [float(q) for q in np.percentile(speedups, [25, 75])] if len(speedups) else None,
+                # Pooled over the group's tokens, not averaged over prompts.
+                "acceptance": _ratio(_total(group, "accepted"), _total(group, "proposed")),
+                "tokens_per_forward": _ratio(tokens, _total(group, "rounds")),
+                "draft_ms_per_token": _ratio(_total(group, "draft_s"), tokens / 1000 if tokens else None),
+                "verify_ms_per_token": _ratio(_total(group, "verify_s"), tokens / 1000 if tokens else None),
+                "other_ms_per_token": _ratio(_total(group, "other_s"), tokens / 1000 if tokens else None),
+                "generate_ms_per_token": _ratio(gen, tokens / 1000 if tokens else None),
+                "ngram_hits": _total(group, "ngram_hits"),
+                "all_equal_to_plain": all(r["equal_to_plain"] for r in group),
+                "mismatches": [
+                    {"prompt_id": r["prompt_id"], **r["mismatch"]} for r in group if r["mismatch"]
+                ],
+            })
+    return rows
+
+
+def _fmt(value, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def _split(row: dict) -> str:
+    gen = row["generate_ms_per_token"]
+    if row["draft_ms_per_token"] is None or not gen:
+        return "-"
+    parts = (row["draft_ms_per_token"], row["verify_ms_per_token"], row["other_ms_per_token"])
+    return " / ".join(f"{100 * p / gen:.0f}" for p in parts)
+
+
+def table(rows: list[dict], title: str) -> Table:
+    """A markdown-styled table (it prints as valid markdown)."""
+    t = Table(title=title, box=box.MARKDOWN, title_justify="left")
+    for col in ("task", "method", "n", "TTFT s", "tok/s", "speedup (min-max)", "accept",
+                "tok/fwd", "draft/verify/other %", "n-gram hits", "= plain"):
+        t.add_column(col, justify="left" if col in ("task", "method") else "right")
+    for r in rows:
+        t.add_row(
+            r["task"], r["method"], str(r["prompts"]), f"{r['ttft_s']:.2f}", f"{r['tokens_per_s']:.2f}",
+            f"{_fmt(r['speedup_median'], '.2f')}x ({_fmt(r['speedup_min'], '.2f')}-{_fmt(r['speedup_max'], '.2f')})",
+            _fmt(r["acceptance"], ".2f"), _fmt(r["tokens_per_forward"], ".2f"), _split(r),
+            _fmt(r["ngram_hits"], ".0f"),
+            "yes" if r["all_equal_to_plain"] else f"NO ({len(r['mismatches'])})",
+        )
+    return t
+
+
+def pair_name(cfg: dict) -> str:
+    return f"{Path(cfg['draft']).name} -> {Path(cfg['target']).name}"
+
+
+def title_of(result: dict) -> str:
+    cfg, env = result["config"], result["environment"]
+    return (f"{pair_name(cfg)}, greedy, {cfg['max_tokens']} tokens, "
+            f"{len(cfg['prompt_ids'])} prompts ({env['blas']}, mlx {env['mlx']}, mlx-lm {env['mlx_lm']})")
+
+
+def write_results(result: dict, out: Path, console) -> dict[str, Path]:
+    """bench.json, summary.md and the plots under `out`; prints the table."""
+    from omnidraft_mlx.bench.plots import write_plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    result["summary"] = summarize(result["records"])
+    files = {"json": out / "bench.json", "table": out / "summary.md"}
+    atomic_write_text(files["json"], json.dumps(result, indent=1))
+    t = table(result["summary"], title_of(result))
+    wide = Console(width=250, file=io.StringIO(), highlight=False)
+    wide.print(t)
+    text = "\n".join(line.rstrip() for line in wide.file.getvalue().strip().splitlines()) + "\n"
+    atomic_write_text(files["table"], text)
+    # A terminal gets the table fitted to it; a pipe or file gets it whole.
+    console.print(t) if console.is_terminal else console.out(text, highlight=False)
+    files.update(write_plots(result, out))
+    return files

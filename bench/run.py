@@ -1,0 +1,306 @@
+"""Run decoders side by side on the same prompts, in one process.
+
+Every method decodes every prompt; methods run interleaved prompt by prompt in
+a rotating order, so drift of the machine (heat, other load) hits all of them
+alike. Models load once; one Pair serves the whole run, so its n-gram cache
+grows over the run as it would in use (its size is recorded per record), but
+nothing is saved to the pair's profile.
+
+Methods:
+- `plain`: the target alone (mlx-lm's generate_step), the baseline of every speedup;
+- `ours-k{k}` / `ours-k{k}-tokens`: our speculative decoding, draft translated
+  as text (default) or token by token;
+- `mlxlm-k{k}`: mlx-lm's own speculative decoding (same-vocabulary pairs only).
+
+All greedy. Timing follows the engine's split: `ttft_s` is prompt processing
+(both models), `generate_s` everything after it; tokens/s counts generated
+tokens over `generate_s`. Greedy outputs must equal plain decoding token for
+token; where one does not, the record keeps the first differing position and
+the target's top-2 logit gap there (a tiny gap is a float near-tie).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from omnidraft_mlx.bench.tasks import Prompt, load_task
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.generate import PlainStats, plain_generate
+from omnidraft_mlx.prompts import encode_prompt, user_messages
+from omnidraft_mlx.speculative import SpecConfig, SpecStats, prefill, speculative_generate
+
+WARMUP_PROMPT = "Say hello."
+WARMUP_TOKENS = 4
+
+
+@dataclass
+class BenchConfig:
+    draft: str
+    target: str
+    tasks: list[str]
+    ks: list[int] = field(default_factory=lambda: [3, 4, 5])
+    translations: list[str] = field(default_factory=lambda: ["text"])
+    prompts: int = 6  # held-out prompts per task
+    max_tokens: int = 96
+    shortest: bool = False  # pick the shortest held-out prompts (--quick)
+    use_profile: bool = True  # start from the pair's saved n-gram cache
+    mlx_lm: bool = True  # add mlx-lm's speculative decoding where the vocabularies match
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    kind: str  # plain | ours | mlxlm
+    k: int | None = None
+    translation: str | None = None
+
+
+def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
+    methods = [Method("plain", "plain")]
+    for k in cfg.ks:
+        # A same-vocabulary pair needs no translation: one variant per k.
+        for tr in cfg.translations[:1] if same_vocab else cfg.translations:
+            methods.append(Method(f"ours-k{k}" + ("" if tr == "text" else f"-{tr}"), "ours", k, tr))
+    if same_vocab and cfg.mlx_lm:
+        methods += [Method(f"mlxlm-k{k}", "mlxlm", k) for k in cfg.ks]
+    return methods
+
+
+def select_prompts(cfg: BenchConfig) -> list[Prompt]:
+    """Held-out prompts, tasks interleaved (code, math, chat, code, ...)."""
+    per_task = []
+    for task in cfg.tasks:
+        prompts = load_task(task, "heldout")
+        if cfg.shortest:
+            prompts = sorted(prompts, key=lambda p: len(p.text))
+        per_task.append(prompts[: cfg.prompts])
+    return [p for group in zip(*per_task) for p in group]
+
+
+def rotated(methods: list, i: int) -> list:
+    i %= len(methods)
+    return methods[i:] + methods[:i]
+
+
+# --- one decode per method -------------------------------------------------
+
+
+def _run_plain(pair, target_ids: list[int], max_tokens: int) -> dict:
+    stats = PlainStats()
+    out = list(plain_generate(pair.target, pair.target_tok, target_ids, stats, max_tokens=max_tokens))
+    return {
+        "output": out, "ttft_s": stats.prefill_s, "generate_s": stats.generate_s,
+        "tokens_per_s": stats.tokens_per_s, "rounds": len(out),
+        # Plain decoding is all target forwards.
+        "draft_s": 0.0, "verify_s": stats.generate_s, "other_s": 0.0,
+    }
+
+
+def _run_ours(pair, draft_ids, target_ids, method: Method, max_tokens: int) -> dict:
+    stats = SpecStats()
+    cfg = SpecConfig(k=method.k, max_tokens=max_tokens, translation=method.translation)
+    out = [t for new, _ in speculative_generate(pair, draft_ids, target_ids, cfg, stats) for t in new]
+    return {
+        "output": out, "ttft_s": stats.prefill_s, "generate_s": stats.generate_s,
+        "tokens_per_s": stats.tokens_per_s, "rounds": stats.rounds,
+        "proposed": stats.proposed, "accepted": stats.accepted,
+        "draft_s": stats.draft_s, "verify_s": stats.verify_s, "other_s": stats.other_s,
+        "draft_forwards": stats.draft_forwards, "ngram_hits": stats.ngram_hits,
+        "round_ends": dict(stats.round_ends),
+    }
+
+
+def _run_mlxlm(pair, target_ids: list[int], k: int, max_tokens: int) -> dict:
+    """mlx-lm's speculative decoding, with the prompt processed apart (as in ours)."""
+    from mlx_lm.generate import stream_generate
+
+    start = time.perf_counter()
+    caches = make_prompt_cache(pair.target), make_prompt_cache(pair.draft)
+    prefill(pair.target, caches[0], target_ids[:-1])
+    prefill(pair.draft, caches[1], target_ids[:-1])
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    out, drafted = [], []
+    responses = stream_generate(
+        pair.target, pair.target_tok, target_ids[-1:], max_tokens=max_tokens,
+        draft_model=pair.draft, num_draft_tokens=k, prompt_cache=caches[0] + caches[1],
+    )
+    for r in responses:
+        # The last response repeats nothing: it carries the token that stopped the loop.
+        if r.finish_reason == "stop":
+            break
+        out.append(int(r.token))
+        drafted.append(bool(r.from_draft))
+    generate_s = time.perf_counter() - start
+    # Each round ends with one token of the target's own; a round drafts min(k, tokens left).
+    proposed = rounds = 0
+    for i, from_draft in enumerate(drafted):
+        if i == 0 or not drafted[i - 1]:
+            proposed += min(k, max_tokens - i)
+        rounds += not from_draft
+    return {
+        "output": out, "ttft_s": ttft, "generate_s": generate_s,
+        "tokens_per_s": len(out) / generate_s if generate_s else 0.0,
+        "rounds": rounds + (bool(drafted) and drafted[-1]),
+        "proposed": proposed, "accepted": sum(drafted),
+        "draft_s": None, "verify_s": None, "other_s": None,  # not visible inside mlx-lm
+    }
+
+
+def first_mismatch(pair, target_ids: list[int], reference: list[int], output: list[int]) -> dict | None:
+    """Where `output` leaves the plain greedy `reference`, with the target's top-2 logit gap there."""
+    pos = next((i for i, (a, b) in enumerate(zip(reference, output)) if a != b), None)
+    if pos is None:
+        if len(reference) == len(output):
+            return None
+        pos = min(len(reference), len(output))
+    cache = make_prompt_cache(pair.target)
+    logits = prefill(pair.target, cache, target_ids + reference[:pos]).astype(mx.float32)
+    top2 = mx.topk(logits, 2).tolist()
+    return {
+        "position": pos,
+        "plain_token": reference[pos] if pos < len(reference) else None,
+        "method_token": output[pos] if pos < len(output) else None,
+        "top2_logit_gap": float(abs(top2[1] - top2[0])),
+    }
+
+
+def run_one(pair, method: Method, prompt: Prompt, max_tokens: int) -> dict:
+    messages = user_messages(prompt.text)
+    target_ids = encode_prompt(pair.target_tok, messages)
+    if method.kind == "plain":
+        result = _run_plain(pair, target_ids, max_tokens)
+    elif method.kind == "mlxlm":
+        result = _run_mlxlm(pair, target_ids, method.k, max_tokens)
+    else:
+        draft_ids = encode_prompt(pair.draft_tok, messages)
+        result = _run_ours(pair, draft_ids, target_ids, method, max_tokens)
+    tokens = len(result["output"])
+    record = {
+        "prompt_id": prompt.id, "task": prompt.task, "method": method.name, "kind": method.kind,
+        "k": method.k, "translation": method.translation, "prompt_tokens": len(target_ids),
+        "tokens": tokens, "proposed": None, "accepted": None, "draft_forwards": None,
+        "ngram_hits": None, "round_ends": None, **result,
+    }
+    record["acceptance"] = record["accepted"] / record["proposed"] if record["proposed"] else None
+    record["tokens_per_forward"] = tokens / record["rounds"] if record["rounds"] else None
+    record["ngram_cache_size"] = len(pair.ngrams) if method.kind == "ours" else None
+    return record
+
+
+# --- the whole run -------------------------------------------------------------
+
+
+def _cpu_name() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return platform.processor() or None
+
+
+def environment_base() -> dict:
+    """The machine and the software the numbers were measured on."""
+    import os
+
+    import mlx_lm
+
+    from omnidraft_mlx.blas import active_blas
+
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "processor": _cpu_name(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "blas": active_blas(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "device": str(mx.default_device()),
+    }
+
+
+def environment(cfg: BenchConfig) -> dict:
+    from omnidraft_mlx.models.pull import model_hash
+
+    return {
+        **environment_base(),
+        "models": {
+            "draft": {"name": cfg.draft, "gguf_sha256": model_hash(cfg.draft)},
+            "target": {"name": cfg.target, "gguf_sha256": model_hash(cfg.target)},
+        },
+    }
+
+
+def load_pair(cfg: BenchConfig):
+    """Both models, once, with the pair's saved n-gram cache unless told to ignore it."""
+    from omnidraft_mlx.loading import load_model
+    from omnidraft_mlx.pair import make_pair
+    from omnidraft_mlx.profile import load_ngrams
+
+    draft, draft_tok = load_model(cfg.draft)
+    target, target_tok = load_model(cfg.target)
+    ngrams = load_ngrams(cfg.draft, cfg.target) if cfg.use_profile else None
+    return make_pair(draft, draft_tok, target, target_tok, ngrams)
+
+
+def check_config(cfg: BenchConfig) -> None:
+    if not cfg.tasks:
+        raise OmniDraftError("no task to run")
+    if not cfg.ks or min(cfg.ks) < 1:
+        raise OmniDraftError("--k needs draft lengths of at least 1, e.g. --k 3,4,5")
+    if bad := [t for t in cfg.translations if t not in ("text", "tokens")]:
+        raise OmniDraftError(f"unknown --translation '{bad[0]}': use text, tokens or text,tokens")
+    if cfg.prompts < 1 or cfg.max_tokens < 1:
+        raise OmniDraftError("--prompts and --max-tokens must be at least 1")
+
+
+def run_bench(cfg: BenchConfig, progress=None) -> dict:
+    """Decode every selected prompt with every method; the records and the environment."""
+    check_config(cfg)
+    prompts = select_prompts(cfg)
+    pair = load_pair(cfg)
+    methods = methods_for(cfg, pair.vmap.same_vocab)
+    ngrams_at_start = len(pair.ngrams)
+
+    warm = Prompt("warmup", "chat", WARMUP_PROMPT)
+    for method in methods:  # first calls allocate; keep them out of the numbers
+        run_one(pair, method, warm, WARMUP_TOKENS)
+
+    task = progress.add_task("bench", total=len(prompts) * len(methods)) if progress else None
+    records = []
+    for i, prompt in enumerate(prompts):
+        done = {}
+        for order, method in enumerate(rotated(methods, i)):
+            if progress:
+                progress.update(task, description=f"{prompt.id} {method.name}")
+            record = run_one(pair, method, prompt, cfg.max_tokens)
+            record["order"] = order
+            done[method.name] = record
+            if progress:
+                progress.advance(task)
+        target_ids = encode_prompt(pair.target_tok, user_messages(prompt.text))
+        plain = done["plain"]
+        for method in methods:
+            record = done[method.name]
+            record["speedup"] = (
+                record["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+            )
+            record["mismatch"] = (
+                None if record is plain
+                else first_mismatch(pair, target_ids, plain["output"], record["output"])
+            )
+            record["equal_to_plain"] = record["mismatch"] is None
+            records.append(record)
+    return {
+        "config": {**asdict(cfg), "methods": [asdict(m) for m in methods],
+                   "prompt_ids": [p.id for p in prompts], "vocab_intersection": pair.vmap.size,
+                   "same_vocab": pair.vmap.same_vocab, "ngram_cache_at_start": ngrams_at_start},
+        "environment": environment(cfg),
+        "records": records,
+    }

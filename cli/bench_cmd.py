@@ -1,0 +1,98 @@
+"""`omnidraft bench`: plain, our speculative and mlx-lm's speculative decoding, side by side."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+
+QUICK_PROMPTS, QUICK_TOKENS = 1, 32
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise OmniDraftError(f"{what} takes comma-separated integers, e.g. 3,4,5 (got '{text}')") from None
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(name.rstrip("/")).name)
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from omnidraft_mlx.cli.main import err_console
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=err_console, transient=False)
+
+
+def bench(
+    draft: str = typer.Option(DEFAULT_DRAFT, "--draft", "-d", help="Drafter: catalog name, directory, .gguf or hub id."),
+    target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help="Target: catalog name, directory, .gguf or hub id."),
+    task: str = typer.Option("all", "--task", help="code, math, chat or all."),
+    k: str = typer.Option("3,4,5", "--k", "-k", help="Draft lengths to compare, comma-separated."),
+    translation: str = typer.Option("text", "--translation", help="Draft translation(s): text, tokens or text,tokens."),
+    prompts: Optional[int] = typer.Option(None, "--prompts", help="Held-out prompts per task (default 6; --quick: 1)."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Tokens per generation (default 96; --quick: 32)."),
+    quick: bool = typer.Option(False, "--quick", help="A few short prompts: a check in minutes, not a measurement."),
+    no_profile: bool = typer.Option(False, "--no-profile", help="Start from an empty n-gram cache, not the pair's profile."),
+    no_mlx_lm: bool = typer.Option(False, "--no-mlx-lm", help="Leave out mlx-lm's speculative decoding."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default omnidraft-bench/DRAFT__TARGET)."),
+    forward_cost: Optional[str] = typer.Option(
+        None, "--forward-cost", help="Instead: plain decode speed and forward cost of these models (comma-separated)."),
+) -> None:
+    """Measure speed and acceptance of the decoders on the same prompts in one run.
+
+    Writes bench.json (every record and the environment), summary.md and PNG plots;
+    the profile of the pair is read but never written.
+    """
+    from omnidraft_mlx.atomic import atomic_write_text
+    from omnidraft_mlx.bench.tasks import TASKS
+    from omnidraft_mlx.blas import warn_if_slow_blas
+    from omnidraft_mlx.cli.main import console, err_console
+
+    warn_if_slow_blas(err_console)
+    if forward_cost is not None:
+        from omnidraft_mlx.bench.forward_cost import run_forward_cost
+
+        names = [n.strip() for n in forward_cost.split(",") if n.strip()]
+        if not names:
+            raise OmniDraftError("--forward-cost needs model names, e.g. smollm2-135m,qwen2.5-coder-0.5b")
+        with _progress() as progress:
+            result = run_forward_cost(names, progress)
+        path = (out or Path("omnidraft-bench")) / "forward_cost.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(result, indent=1))
+        for name, m in result["models"].items():
+            ms = " / ".join(f"{v:.0f}" for v in m["forward_ms"].values())
+            console.print(f"{name}: decode {m['decode_tokens_per_s']:.1f} tok/s, forward over "
+                          f"{'/'.join(m['forward_ms'])} tokens: {ms} ms ({m['cached_tokens']} cached)")
+        console.print(f"wrote {path}")
+        return
+
+    from omnidraft_mlx.bench.report import write_results
+    from omnidraft_mlx.bench.run import BenchConfig, run_bench
+
+    if task != "all" and task not in TASKS:
+        raise OmniDraftError(f"unknown --task '{task}': use code, math, chat or all")
+    cfg = BenchConfig(
+        draft=draft, target=target, tasks=list(TASKS) if task == "all" else [task],
+        ks=_int_list(k, "--k"), translations=[t.strip() for t in translation.split(",") if t.strip()],
+        prompts=prompts or (QUICK_PROMPTS if quick else 6),
+        max_tokens=max_tokens or (QUICK_TOKENS if quick else 96),
+        shortest=quick, use_profile=not no_profile, mlx_lm=not no_mlx_lm,
+    )
+    out = out or Path("omnidraft-bench") / f"{_slug(draft)}__{_slug(target)}"
+    with _progress() as progress:
+        result = run_bench(cfg, progress)
+    files = write_results(result, out, console)
+    console.print("wrote " + ", ".join(str(p) for p in files.values()))

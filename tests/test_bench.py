@@ -1,0 +1,165 @@
+"""`omnidraft bench` end to end on the tiny models: files, records, consistency.
+
+No timing assertions: the numbers are the benchmark's job, these tests check
+that the machinery measures the right things and that greedy outputs agree.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from omnidraft_mlx.bench.tasks import ADAPT_SIZE, TASKS, load_task
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.ngram import NGramCache
+from omnidraft_mlx.profile import profile_dir
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """An empty OMNIDRAFT_HOME that still finds the task data already downloaded."""
+    from omnidraft_mlx.models.pull import downloads_dir
+
+    real = downloads_dir()
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path / "home"))
+    if real.is_dir():
+        (tmp_path / "home").mkdir()
+        os.symlink(real, tmp_path / "home" / "downloads")
+    return tmp_path / "home"
+
+
+def invoke(*args: str):
+    from omnidraft_mlx.cli.bench_cmd import bench
+
+    app = typer.Typer()
+    app.command()(bench)
+    return CliRunner().invoke(app, list(args))
+
+
+def test_tasks_have_fixed_disjoint_splits():
+    for task in TASKS:
+        adapt, heldout = load_task(task, "adapt"), load_task(task, "heldout")
+        assert len(adapt) == ADAPT_SIZE[task] and heldout
+        assert not {p.id for p in adapt} & {p.id for p in heldout}
+        assert all(p.task == task and p.text.strip() for p in adapt + heldout)
+        assert [p.id for p in heldout] == [p.id for p in load_task(task, "heldout")]
+    assert (len(load_task("math", "heldout")), len(load_task("code", "heldout")), len(load_task("chat", "heldout"))) == (319, 64, 20)
+    assert load_task("code", "heldout")[0].text.startswith("Complete this Python function:\n```python\n")
+    with pytest.raises(OmniDraftError, match="unknown task"):
+        load_task("poetry", "adapt")
+    with pytest.raises(OmniDraftError, match="unknown split"):
+        load_task("code", "test")
+
+
+def check_records(result: dict, methods: list[str]) -> None:
+    records, cfg = result["records"], result["config"]
+    assert [m["name"] for m in cfg["methods"]] == methods
+    assert len(records) == len(cfg["prompt_ids"]) * len(methods)
+    for prompt_id in cfg["prompt_ids"]:
+        group = {r["method"]: r for r in records if r["prompt_id"] == prompt_id}
+        assert set(group) == set(methods)
+        # Every method ran once, in a rotation of the fixed order.
+        assert sorted(r["order"] for r in group.values()) == list(range(len(methods)))
+        plain = group["plain"]
+        assert plain["speedup"] == pytest.approx(1.0) and plain["tokens"] == len(plain["output"]) > 0
+        for r in group.values():
+            assert r["equal_to_plain"] and r["mismatch"] is None, (r["method"], r["mismatch"])
+            assert r["output"] == plain["output"]
+            assert r["prompt_tokens"] == plain["prompt_tokens"]
+            assert r["ttft_s"] > 0 and r["generate_s"] > 0 and r["tokens_per_s"] > 0
+            assert r["speedup"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])
+            if r["kind"] == "plain":
+                continue
+            assert 0 <= r["accepted"] <= r["proposed"] and 0 <= r["acceptance"] <= 1
+            # Each target forward emits its accepted tokens plus one of its own.
+            assert 1 <= r["tokens_per_forward"] <= r["k"] + 1
+            if r["kind"] == "ours":
+                assert r["draft_s"] + r["verify_s"] <= r["generate_s"] + 1e-6 and r["other_s"] >= 0
+    summary = {(s["task"], s["method"]): s for s in result["summary"]}
+    for task in {r["task"] for r in records} | {"all"}:
+        for method in methods:
+            assert summary[task, method]["all_equal_to_plain"]
+
+
+def test_bench_cross_vocab_end_to_end(tiny_dirs, home, tmp_path):
+    draft, target = str(tiny_dirs["draft"]), str(tiny_dirs["target"])
+    # A saved profile is read, used and left as it was.
+    saved = NGramCache()
+    saved.add((1, 2), 3)
+    saved.save(profile_dir(draft, target) / "ngrams.json")
+    before = (profile_dir(draft, target) / "ngrams.json").read_bytes()
+
+    out = tmp_path / "out"
+    r = invoke("--draft", draft, "--target", target, "--task", "all", "--k", "2,3",
+               "--translation", "text,tokens", "--prompts", "2", "--max-tokens", "12", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    for name in ("bench.json", "summary.md", "speedup.png", "k_sweep.png", "time_split.png"):
+        assert (out / name).stat().st_size > 0
+    result = json.loads((out / "bench.json").read_text())
+    check_records(result, ["plain", "ours-k2", "ours-k2-tokens", "ours-k3", "ours-k3-tokens"])
+    assert len(result["config"]["prompt_ids"]) == 6
+    assert [load_task(t, "heldout")[0].id for t in TASKS] == result["config"]["prompt_ids"][:3]
+    assert result["config"]["ngram_cache_at_start"] == 1
+    assert (profile_dir(draft, target) / "ngrams.json").read_bytes() == before
+    # One pair for the run: its n-gram cache only grows, prompt after prompt.
+    ours = [r for r in result["records"] if r["kind"] == "ours"]
+    sizes = [r["ngram_cache_size"] for r in sorted(ours, key=lambda r: (result["config"]["prompt_ids"].index(r["prompt_id"]), r["order"]))]
+    assert sizes == sorted(sizes) and sizes[0] >= 1
+    env = result["environment"]
+    assert env["blas"] and env["mlx"] and env["mlx_lm"] and env["models"]["target"]["name"] == target
+    assert "| ours-k2-tokens |" in (out / "summary.md").read_text()
+
+
+def test_bench_same_vocab_runs_mlx_lm_beside_ours(tiny_dirs, home, tmp_path):
+    out = tmp_path / "out"
+    r = invoke("--draft", str(tiny_dirs["same"]), "--target", str(tiny_dirs["target"]), "--task", "code",
+               "--k", "2,3", "--translation", "text,tokens", "--quick", "--no-profile", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    result = json.loads((out / "bench.json").read_text())
+    # Same vocabulary: no translation variants, and mlx-lm's speculative decoding beside ours.
+    check_records(result, ["plain", "ours-k2", "ours-k3", "mlxlm-k2", "mlxlm-k3"])
+    assert result["config"]["max_tokens"] == 32 and len(result["config"]["prompt_ids"]) == 1
+    assert result["config"]["prompt_ids"][0] == min(load_task("code", "heldout"), key=lambda p: len(p.text)).id
+    mlxlm = [r for r in result["records"] if r["kind"] == "mlxlm"]
+    assert all(r["draft_s"] is None and r["accepted"] > 0 for r in mlxlm)
+
+
+def test_mismatch_reports_position_and_logit_gap(tiny):
+    from omnidraft_mlx.bench.run import first_mismatch
+    from omnidraft_mlx.pair import make_pair
+
+    (dm, dt), (tm, tt) = tiny["draft"], tiny["target"]
+    pair = make_pair(dm, dt, tm, tt)
+    prompt = list(tt.encode("def add_1(x):\n"))
+    reference = [5, 6, 7, 8]
+    assert first_mismatch(pair, prompt, reference, list(reference)) is None
+    m = first_mismatch(pair, prompt, reference, [5, 6, 9, 8])
+    assert (m["position"], m["plain_token"], m["method_token"]) == (2, 7, 9) and m["top2_logit_gap"] >= 0
+    m = first_mismatch(pair, prompt, reference, reference[:3])
+    assert (m["position"], m["method_token"]) == (3, None)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--task", "poetry"], "unknown --task"),
+    (["--k", "0"], "at least 1"),
+    (["--k", "three"], "comma-separated integers"),
+    (["--translation", "bytes"], "unknown --translation"),
+    (["--forward-cost", ","], "needs model names"),
+])
+def test_bad_input_is_one_clear_error(tiny_dirs, args, message):
+    r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), *args)
+    assert isinstance(r.exception, OmniDraftError) and message in str(r.exception)
+
+
+def test_forward_cost_mode(tiny_dirs, tmp_path):
+    r = invoke("--forward-cost", f"{tiny_dirs['draft']},{tiny_dirs['target']}", "--out", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    result = json.loads((tmp_path / "forward_cost.json").read_text())
+    assert list(result["models"]) == [str(tiny_dirs["draft"]), str(tiny_dirs["target"])]
+    for m in result["models"].values():
+        assert set(m["forward_ms"]) == {"1", "4", "8"} and all(v > 0 for v in m["forward_ms"].values())
+        assert m["decode_tokens"] > 1 and m["decode_tokens_per_s"] > 0
+    assert result["environment"]["blas"]
