@@ -61,4 +61,5 @@ def make_pair(draft, draft_tok, target, target_tok, ngrams: NGramCache | None = 
             "the drafter and the target share no vocabulary: pick a drafter whose "
             "tokens spell text the same way (any byte-level or SentencePiece model does)"
         )
-    return Pair(draft, target, draft_tok, target_tok, vmap, ngrams or NGramCache())
+    # An empty cache is falsy: test for None, or the caller's cache would be replaced.
+    return Pair(draft, target, draft_tok, target_tok, vmap, NGramCache() if ngrams is None else ngrams)
