@@ -20,6 +20,10 @@ def _human(n: int) -> str:
         n /= 1024
 
 
+def _origin(row: dict) -> str:
+    return "derived" if row.get("source") == "derived" else "imported"
+
+
 @app.command("list")
 def list_models():
     """Show catalog models and local models, with their state and size on disk."""
@@ -36,7 +40,7 @@ def list_models():
     for row in local_state():
         state = {"ready": "[green]ready[/]", "not pulled": "[dim]not pulled[/]"}.get(row["status"], row["status"])
         table.add_row(
-            row["name"], roles.get(row["name"], "" if row["catalog"] else "imported"), state,
+            row["name"], roles.get(row["name"], "" if row["catalog"] else _origin(row)), state,
             _human(row["size"]) if row["size"] else "-", row["description"],
         )
     Console().print(table)
@@ -73,3 +77,18 @@ def remove(
 
     removed = remove_model(name, keep_downloads=keep_downloads)
     typer.echo(f"removed {name}" + (f" ({len(removed)} paths)" if removed else " (nothing on disk)"))
+
+
+@app.command()
+def derive(
+    source: str = typer.Option("smollm2-135m", "--from", help="the drafter to derive from (name or directory)"),
+    layers: int = typer.Option(..., "--layers", help="how many of its layers to keep"),
+    name: Optional[str] = typer.Option(None, "--name", help="local name (default: <from>-<layers>l)"),
+    minutes: float = typer.Option(20.0, "--minutes", help="distillation time budget, resumed runs included"),
+    restart: bool = typer.Option(False, "--restart", help="discard an earlier run's checkpoint"),
+):
+    """Build a shallow drafter: keep the layers that matter most, then distill from the full model."""
+    from omnidraft_mlx.models.derive import DeriveConfig, derive as derive_model
+
+    cfg = DeriveConfig(source=source, layers=layers, name=name or "", minutes=minutes)
+    typer.echo(str(derive_model(cfg, restart=restart)))

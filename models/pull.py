@@ -304,9 +304,16 @@ def local_state() -> list:
             rows.append({
                 "name": d.name, "catalog": False, "status": "ready", "path": str(d),
                 "size": _dir_size(d), "sha256": info.get("gguf_sha256"),
-                "description": f"imported from {info.get('gguf_file', '?')}",
+                "description": _description(info),
+                "source": info.get("source"),
             })
     return rows
+
+
+def _description(info: dict) -> str:
+    if info.get("source") == "derived":
+        return f"derived from {info['derived_from']}: {len(info['kept_layers'])} of {info['source_layers']} layers"
+    return f"imported from {info.get('gguf_file', '?')}"
 
 
 def remove(name: str, keep_downloads: bool = False) -> list:
