@@ -96,7 +96,7 @@ def generate(
     speculate = model is None
     if speculate:
         from omnidraft_mlx.pair import make_pair
-        from omnidraft_mlx.profile import load_ngrams, save_ngrams
+        from omnidraft_mlx.profile import load_profile
         from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
 
         draft_model, draft_tok = load_model(draft)
@@ -105,8 +105,8 @@ def generate(
             err_console.print(f"[yellow]note:[/] the prompt is too long for the drafter {draft}: plain decoding")
             speculate = False
     if speculate:
-        ngrams = None if no_profile else load_ngrams(draft, target)
-        pair = make_pair(draft_model, draft_tok, target_model, target_tok, ngrams)
+        profile = None if no_profile else load_profile(draft, target, draft_model)
+        pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile and profile.ngrams)
         cfg = SpecConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed,
                          translation=translation, sampling=sampling)
         stats = SpecStats()
@@ -115,8 +115,8 @@ def generate(
                 printer.add(new, drafted)
         finally:
             printer.finish()
-            if not no_profile:
-                save_ngrams(draft, target, pair.ngrams)
+            if profile is not None:
+                profile.save_ngrams()
         if not quiet:
             err_console.print(
                 f"[dim]{stats.emitted} tokens, {stats.tokens_per_s:.2f} tok/s | acceptance "

@@ -1,0 +1,296 @@
+"""Adapting the drafter to what it is used for (paper's Algorithm 2, and a faster
+teacher-forced variant for local documents).
+
+- stream: prompts arrive one by one; each is answered by speculative decoding;
+  the verified reply goes into a buffer; every `interval` prompts the drafter
+  takes a distillation update on the buffer, which is then cleared (on-policy).
+- text: teacher-forced distillation directly on documents (or on the replies
+  in chat transcripts): one target forward per chunk, no generation.
+After every update the profile is saved (adapter, optimizer, n-grams, corpus
+position), so `omnidraft adapt` resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+
+from omnidraft_mlx.distill import DistillConfig, Distiller, Example, StepStats, make_example
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.pair import Pair
+from omnidraft_mlx.profile import Profile
+from omnidraft_mlx.prompts import encode_prompt, user_messages
+from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+
+TEXT_SUFFIXES_SKIPPED = {".png", ".jpg", ".jpeg", ".gif", ".pdf", ".zip", ".gz", ".bin", ".safetensors", ".pyc"}
+
+
+@dataclass
+class Sample:
+    """One corpus item: a conversation (a prompt, maybe with a reply) or a plain document."""
+
+    messages: list[dict] | None = None
+    text: str | None = None
+
+
+# --- the corpus ----------------------------------------------------------------
+
+
+def _messages(row, where: str) -> list[dict]:
+    if isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"].strip():
+        return user_messages(row["prompt"])
+    msgs = row.get("messages") if isinstance(row, dict) else None
+    if (isinstance(msgs, list) and msgs and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in msgs) and any(m["content"].strip() for m in msgs)):
+        return [{"role": m["role"], "content": m["content"]} for m in msgs]
+    raise OmniDraftError(f'{where}: expected {{"prompt": "..."}} or {{"messages": [{{"role": ..., "content": ...}}]}}')
+
+
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        if b"\x00" in data[:8192]:
+            raise UnicodeDecodeError("utf-8", data, 0, 1, "NUL byte")
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise OmniDraftError(f"{path} is not a UTF-8 text document (binary?): convert it to plain text first") from None
+
+
+def read_jsonl(path: Path) -> list[Sample]:
+    samples = []
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise OmniDraftError(f"{path}:{n}: not valid JSON ({e.args[0].split(':')[0]})") from None
+        samples.append(Sample(messages=_messages(row, f"{path}:{n}")))
+    return samples
+
+
+def read_corpus(path: str | Path) -> list[Sample]:
+    """Prompts from a JSONL file, or documents from a text file or a folder of them."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise OmniDraftError(f"no such corpus: {path}")
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.parts)
+                       and f.suffix.lower() not in TEXT_SUFFIXES_SKIPPED)
+        samples = [s for f in files for s in (read_jsonl(f) if f.suffix == ".jsonl" else [Sample(text=_read_text(f))])]
+    elif path.suffix in (".jsonl", ".json"):
+        samples = read_jsonl(path)
+    else:
+        samples = [Sample(text=_read_text(path))]
+    samples = [s for s in samples if s.messages or (s.text and s.text.strip())]
+    if not samples:
+        raise OmniDraftError(f"the corpus {path} is empty: give it prompts (JSONL) or text documents")
+    return samples
+
+
+def task_corpus(task: str, split: str = "adapt") -> list[Sample]:
+    from omnidraft_mlx.bench.tasks import load_task
+
+    return [Sample(messages=user_messages(p.text)) for p in load_task(task, split)]
+
+
+# --- the learner -----------------------------------------------------------------
+
+
+@dataclass
+class UpdateReport:
+    update: int  # updates in the profile so far
+    examples: int
+    steps: list[StepStats] = field(default_factory=list)
+    seconds: float = 0.0
+    save_s: float = 0.0
+
+    @property
+    def loss(self) -> float:
+        return self.steps[-1].loss if self.steps else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(s.tokens for s in self.steps) / self.seconds if self.seconds else 0.0
+
+
+class OnlineLearner:
+    """Buffers verified replies; every `interval` of them, one distillation update
+    of the drafter, after which the profile (when given) is saved.
+
+    For a chat loop: `observe(messages, reply_target_ids)` after each verified
+    reply, then `maybe_update()`; it returns True when the drafter changed.
+    The drafter must have been prepared for training (load_profile(...,
+    trainable=True) or distill.setup_trainable) before the learner is made.
+    """
+
+    def __init__(self, pair: Pair, cfg: DistillConfig, interval: int = 8, profile: Profile | None = None,
+                 raw: bool = False):
+        if interval < 1:
+            raise OmniDraftError("the update interval must be at least 1 prompt")
+        self.pair, self.cfg, self.interval, self.profile, self.raw = pair, cfg, interval, profile, raw
+        self.distiller = Distiller(pair, cfg)
+        if profile is not None:
+            profile.load_optimizer(self.distiller.opt)
+        self.buffer: list[Example] = []
+        self.corpus: str | None = None  # where the observed prompts come from, and how far
+        self.position = 0
+        self.last: UpdateReport | None = None
+        self.updates = profile.updates if profile else 0
+
+    def observe(self, messages: list[dict], reply_target_ids: list[int]) -> None:
+        """Queue a verified reply to `messages` (each model gets its own chat template)."""
+        if not reply_target_ids:
+            return
+        self.add(make_example(self.pair, encode_prompt(self.pair.draft_tok, messages, self.raw),
+                              encode_prompt(self.pair.target_tok, messages, self.raw),
+                              list(reply_target_ids), self.cfg.max_len))
+
+    def add(self, example: Example) -> None:
+        self.buffer.append(example)
+
+    def maybe_update(self) -> bool:
+        if len(self.buffer) < self.interval:
+            return False
+        self.update()
+        return True
+
+    def update(self, record: dict | None = None) -> UpdateReport | None:
+        """One update on the buffer (whatever its size), then save and clear it."""
+        if not self.buffer:
+            return None
+        start = time.perf_counter()
+        steps = self.distiller.update(self.buffer)
+        self.updates += 1
+        report = UpdateReport(self.updates, len(self.buffer), steps)
+        report.seconds = time.perf_counter() - start
+        self.buffer = []
+        if self.profile is not None:
+            t0 = time.perf_counter()
+            self.profile.save(
+                self.pair.draft, self.distiller.opt, self.cfg.__dict__, self.corpus, self.position,
+                {"update": report.update, "examples": report.examples, "loss": report.loss,
+                 "seconds": round(report.seconds, 2), "tokens_per_s": round(report.tokens_per_s, 1),
+                 "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 2), **(record or {})},
+            )
+            report.save_s = time.perf_counter() - t0
+        self.last = report
+        return report
+
+
+# --- the two loops ---------------------------------------------------------------
+
+
+@dataclass
+class Budget:
+    minutes: float | None = None
+    max_prompts: int | None = None
+    start: float = field(default_factory=time.monotonic)
+
+    def spent(self, done: int) -> bool:
+        if self.max_prompts is not None and done >= self.max_prompts:
+            return True
+        return self.minutes is not None and time.monotonic() - self.start >= 60 * self.minutes
+
+
+@dataclass
+class Event:
+    """What the loops report after each item (for a progress display)."""
+
+    done: int  # items handled in this run
+    position: int  # position reached in the corpus
+    acceptance: float | None = None  # of the last generation (stream)
+    update: UpdateReport | None = None
+
+
+def stream(learner: OnlineLearner, samples: list[Sample], spec: SpecConfig, budget: Budget,
+           on_event: Callable[[Event], None] = lambda e: None) -> list[dict]:
+    """Algorithm 2: answer each prompt speculatively, learn from the verified reply.
+
+    Returns one record per prompt (acceptance as it was when answered)."""
+    pair, records, done = learner.pair, [], 0
+    for idx in range(learner.position, len(samples)):
+        if budget.spent(done):
+            break
+        msgs = samples[idx].messages
+        if msgs is None:
+            raise OmniDraftError("stream mode needs prompts (a JSONL corpus or --task); use --mode text for documents")
+        msgs = msgs[:-1] if msgs[-1]["role"] == "assistant" else msgs
+        stats = SpecStats()
+        draft_ids = encode_prompt(pair.draft_tok, msgs, learner.raw)
+        target_ids = encode_prompt(pair.target_tok, msgs, learner.raw)
+        reply = [t for new, _ in speculative_generate(pair, draft_ids, target_ids, spec, stats) for t in new]
+        learner.observe(msgs, reply)
+        learner.position, done = idx + 1, done + 1
+        records.append({"position": idx + 1, "acceptance": stats.acceptance, "proposed": stats.proposed,
+                        "accepted": stats.accepted, "tokens_per_forward": stats.tokens_per_forward,
+                        "tokens": stats.emitted, "ngrams": len(pair.ngrams), "updates": learner.updates})
+        report = learner.update(_window(records, learner.interval)) if len(learner.buffer) >= learner.interval else None
+        on_event(Event(done, learner.position, stats.acceptance, report))
+    learner.update(_window(records, learner.interval))  # what is left in the buffer
+    return records
+
+
+def _window(records: list[dict], n: int) -> dict:
+    recent = records[-n:]
+    proposed = sum(r["proposed"] for r in recent)
+    return {"position": recent[-1]["position"] if recent else 0,
+            "acceptance": sum(r["accepted"] for r in recent) / proposed if proposed else None}
+
+
+def text_examples(pair: Pair, sample: Sample, max_len: int, raw: bool = False) -> list[Example]:
+    """Teacher-forced examples: the reply of a transcript, else the text in chunks."""
+    msgs = sample.messages
+    if msgs and msgs[-1]["role"] == "assistant" and len(msgs) > 1:
+        reply = list(pair.target_tok.encode(msgs[-1]["content"], add_special_tokens=False))
+        return [make_example(pair, encode_prompt(pair.draft_tok, msgs[:-1], raw),
+                             encode_prompt(pair.target_tok, msgs[:-1], raw), reply, max_len)]
+    text = sample.text if sample.text is not None else "\n\n".join(m["content"] for m in msgs)
+    ids = list(pair.target_tok.encode(text, add_special_tokens=False))
+    pair.learn_ngrams(ids)
+    chunk = max(16, max_len // 2)  # the drafter's tokenization can be longer than the target's
+    return [make_example(pair, [], [], ids[i : i + chunk], max_len) for i in range(0, len(ids), chunk)]
+
+
+def text(learner: OnlineLearner, samples: list[Sample], budget: Budget,
+         on_event: Callable[[Event], None] = lambda e: None) -> None:
+    """Teacher-forced distillation over the corpus, an update every `interval` items."""
+    done = 0
+    for idx in range(learner.position, len(samples)):
+        if budget.spent(done):
+            break
+        for ex in text_examples(learner.pair, samples[idx], learner.cfg.max_len, learner.raw):
+            learner.add(ex)
+        learner.position, done = idx + 1, done + 1
+        report = learner.update({"position": idx + 1}) if len(learner.buffer) >= learner.interval else None
+        on_event(Event(done, learner.position, None, report))
+    learner.update({"position": learner.position})
+
+
+# --- evaluation ------------------------------------------------------------------
+
+
+def evaluate(pair: Pair, prompts: list[list[dict]], k: int = 4, max_tokens: int = 48,
+             translation: str = "text") -> dict:
+    """Greedy speculative decoding over prompts: acceptance and tokens per target forward.
+    The n-gram cache is left as it was (evaluation must not learn)."""
+    pair = replace(pair, ngrams=copy.deepcopy(pair.ngrams), spelled=set(pair.spelled))
+    total = SpecStats()
+    for msgs in prompts:
+        stats = SpecStats()
+        cfg = SpecConfig(k=k, max_tokens=max_tokens, translation=translation)
+        for _ in speculative_generate(pair, encode_prompt(pair.draft_tok, msgs), encode_prompt(pair.target_tok, msgs),
+                                      cfg, stats):
+            pass
+        for name in ("proposed", "accepted", "emitted", "rounds", "generate_s"):
+            setattr(total, name, getattr(total, name) + getattr(stats, name))
+    return {"prompts": len(prompts), "acceptance": total.acceptance, "tokens_per_forward": total.tokens_per_forward,
+            "tokens_per_s": total.tokens_per_s, "tokens": total.emitted, "translation": translation, "k": k}
+

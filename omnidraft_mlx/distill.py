@@ -1,0 +1,221 @@
+"""Hybrid distillation of the drafter towards the target (method.md section 3).
+
+Per draft position of a verified sequence:
+    L = L_DM + lambda * L_Ngram
+- L_DM: reverse KL D_KL(q'_theta || p) over the mapped vocabulary, at draft
+  tokens that map directly to a target token (p from the target at the
+  aligned position, both renormalized over the vocabulary intersection);
+- L_Ngram: -log q_theta(d_j) at draft sub-tokens that together spell one
+  target token.
+The loss is averaged over the positions that carry either term.
+
+Target distributions are recomputed by one teacher-forced target forward per
+update, only for the mapped columns at direct positions (nothing is stored
+between updates but token ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+from omnidraft_mlx.align import align, draft_encode, spelled_bytes
+from omnidraft_mlx.pair import Pair
+
+
+@dataclass
+class DistillConfig:
+    lam: float = 0.2  # weight of the n-gram NLL
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    lora_rank: int = 32  # 0 = full fine-tuning
+    lora_scale: float = 2.0  # mlx-lm's LoRA scale (alpha / rank)
+    layers: int = -1  # blocks to train, counted from the last; -1 = all
+    batch: int = 8  # sequences per gradient step
+    steps: int = 1  # passes over the buffer per update
+    max_len: int = 512  # tokens per sequence (longer ones are cut)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DistillConfig":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    def adapter_dict(self) -> dict:
+        """What decides the shape of the saved weights."""
+        return {"lora_rank": self.lora_rank, "lora_scale": self.lora_scale, "layers": self.layers}
+
+
+@dataclass
+class Example:
+    """One sequence, in both tokenizations, with its training positions."""
+
+    draft_ids: list[int]  # drafter input: its prompt + its tokenization of the text
+    target_ids: list[int]
+    direct_draft: np.ndarray  # drafter positions whose next token is directly mapped
+    direct_target: np.ndarray  # the aligned target positions (predicting the same token)
+    ngram_pos: np.ndarray  # drafter positions whose next token is an n-gram sub-token
+    ngram_tok: np.ndarray  # those next tokens
+
+    @property
+    def positions(self) -> int:
+        return len(self.direct_draft) + len(self.ngram_pos)
+
+
+def make_example(pair: Pair, draft_prompt: list[int], target_prompt: list[int], reply: list[int],
+                 max_len: int = 512) -> Example:
+    """Training positions of a target-token reply that followed the two prompts.
+
+    Token i of a sequence is predicted by the output at position i - 1, so a
+    prompt-less first token carries no loss.
+    """
+    draft_reply = draft_encode(spelled_bytes(reply, pair.vmap.target_bytes), pair.draft_tok)
+    al = align(draft_reply, reply, pair.vmap)
+    pd, pt = len(draft_prompt), len(target_prompt)
+    draft_ids = (draft_prompt + draft_reply)[:max_len]
+    target_ids = (target_prompt + reply)[:max_len]
+
+    def keep(i, j=None):
+        return 0 < pd + i < len(draft_ids) and (j is None or 0 < pt + j < len(target_ids))
+
+    direct = [(pd + i - 1, pt + j - 1) for i, j in al.direct if keep(i, j)]
+    ngram = [(pd + i - 1, draft_reply[i]) for i, _ in al.ngram if keep(i)]
+    arr = lambda rows, c: np.array([r[c] for r in rows], dtype=np.int32)  # noqa: E731
+    return Example(draft_ids, target_ids, arr(direct, 0), arr(direct, 1), arr(ngram, 0), arr(ngram, 1))
+
+
+def head_weight(model) -> mx.array | None:
+    """The output matrix [vocab, hidden] when it is a plain matrix, else None."""
+    tied = getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head")
+    layer = model.model.embed_tokens if tied else model.lm_head
+    return None if isinstance(layer, (nn.QuantizedEmbedding, nn.QuantizedLinear)) else layer.weight
+
+
+def head_logits(model, h: mx.array, cols: mx.array | None = None) -> mx.array:
+    """Output logits of hidden states h, only the columns `cols` where given."""
+    w = head_weight(model)
+    if w is None:  # a quantized head: the full product, then the columns
+        tied = getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head")
+        out = model.model.embed_tokens.as_linear(h) if tied else model.lm_head(h)
+        return out if cols is None else out[:, cols]
+    return h @ (w if cols is None else w[cols]).T
+
+
+def _pad(seqs: list[list[int]]) -> mx.array:
+    """Right-padded batch: padding comes after every real token, so causal
+    attention never lets it change a real position."""
+    width = max(len(s) for s in seqs)
+    return mx.array(np.array([s + [0] * (width - len(s)) for s in seqs], dtype=np.int32))
+
+
+def _flat(rows: list[np.ndarray], width: int) -> mx.array:
+    return mx.array(np.concatenate([r + b * width for b, r in enumerate(rows)]).astype(np.int32))
+
+
+def target_logprobs(pair: Pair, batch: list[Example], target_cols: mx.array) -> mx.array:
+    """log p over the mapped target vocabulary at every direct position of a batch."""
+    x = _pad([e.target_ids for e in batch])
+    h = pair.target.model(x)
+    rows = _flat([e.direct_target for e in batch], x.shape[1])
+    logits = head_logits(pair.target, h.reshape(-1, h.shape[-1])[rows], target_cols).astype(mx.float32)
+    return mx.stop_gradient(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+def distill_loss(model, x, direct_rows, target_logp, ngram_rows, ngram_tok, draft_cols, lam):
+    """(mean loss, summed reverse KL, summed n-gram NLL) over one batch."""
+    h = model.model(x)
+    h = h.reshape(-1, h.shape[-1])
+    logits = head_logits(model, h[direct_rows], draft_cols).astype(mx.float32)
+    logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    kl = (mx.exp(logq) * (logq - target_logp)).sum()  # reverse KL, by hand
+    nll = nn.losses.cross_entropy(head_logits(model, h[ngram_rows]).astype(mx.float32), ngram_tok).sum()
+    count = max(1, direct_rows.size + ngram_rows.size)
+    return (kl + lam * nll) / count, kl, nll
+
+
+def setup_trainable(model, cfg: DistillConfig) -> None:
+    """LoRA adapters (or plain weights) on the trained blocks; everything else frozen."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    n = len(model.model.layers) if cfg.layers < 0 else min(cfg.layers, len(model.model.layers))
+    model.freeze()
+    if cfg.lora_rank > 0:
+        linear_to_lora_layers(model, n, {"rank": cfg.lora_rank, "scale": cfg.lora_scale, "dropout": 0.0})
+    else:
+        for layer in model.model.layers[len(model.model.layers) - n :]:
+            layer.unfreeze()
+
+
+def trainable_weights(model) -> dict[str, mx.array]:
+    return dict(tree_flatten(model.trainable_parameters()))
+
+
+def fuse_lora(model) -> None:
+    """Fold LoRA adapters into plain linear layers (inference speed)."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    fused = [(n, m.fuse()) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    if fused:
+        from mlx.utils import tree_unflatten
+
+        model.update_modules(tree_unflatten(fused))
+
+
+@dataclass
+class StepStats:
+    loss: float = 0.0  # mean over positions
+    kl: float = 0.0  # mean reverse KL per direct position
+    nll: float = 0.0  # mean NLL per n-gram sub-token
+    direct: int = 0
+    ngram: int = 0
+    tokens: int = 0  # drafter tokens processed (padding excluded)
+    seconds: float = 0.0
+
+
+class Distiller:
+    """Gradient steps of the drafter on batches of Examples (AdamW)."""
+
+    def __init__(self, pair: Pair, cfg: DistillConfig):
+        self.pair, self.cfg = pair, cfg
+        cols = pair.vmap.draft_to_target
+        # One draft column per mapped target id (several draft eos ids map to one).
+        target_ids, first = np.unique(cols[cols >= 0], return_index=True)
+        self.draft_cols = mx.array(np.nonzero(cols >= 0)[0][first].astype(np.int32))
+        self.target_cols = mx.array(target_ids.astype(np.int32))
+        self.opt = optim.AdamW(learning_rate=cfg.lr, betas=[0.9, 0.999], weight_decay=cfg.weight_decay)
+        self.grad_fn = nn.value_and_grad(pair.draft, distill_loss)
+
+    def step(self, batch: list[Example]) -> StepStats:
+        import time
+
+        t0 = time.perf_counter()
+        batch = [e for e in batch if e.positions]
+        if not batch:
+            return StepStats()
+        target_logp = target_logprobs(self.pair, batch, self.target_cols)
+        x = _pad([e.draft_ids for e in batch])
+        width = x.shape[1]
+        direct = _flat([e.direct_draft for e in batch], width)
+        ngram = _flat([e.ngram_pos for e in batch], width)
+        ngram_tok = mx.array(np.concatenate([e.ngram_tok for e in batch]).astype(np.int32))
+        (loss, kl, nll), grads = self.grad_fn(
+            self.pair.draft, x, direct, target_logp, ngram, ngram_tok, self.draft_cols, self.cfg.lam
+        )
+        self.opt.update(self.pair.draft, grads)
+        mx.eval(loss, kl, nll, self.pair.draft.trainable_parameters(), self.opt.state)
+        n_d, n_n = direct.size, ngram.size
+        return StepStats(
+            loss=loss.item(), kl=kl.item() / max(1, n_d), nll=nll.item() / max(1, n_n), direct=n_d,
+            ngram=n_n, tokens=sum(len(e.draft_ids) for e in batch), seconds=time.perf_counter() - t0,
+        )
+
+    def update(self, examples: list[Example]) -> list[StepStats]:
+        """cfg.steps passes over the examples in batches of cfg.batch."""
+        out = []
+        for _ in range(self.cfg.steps):
+            for i in range(0, len(examples), self.cfg.batch):
+                out.append(self.step(examples[i : i + self.cfg.batch]))
+        return out
