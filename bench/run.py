@@ -21,6 +21,7 @@ the target's top-2 logit gap there (a tiny gap is a float near-tie).
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -50,6 +51,7 @@ class BenchConfig:
     shortest: bool = False  # pick the shortest held-out prompts (--quick)
     use_profile: bool = True  # start from the pair's saved n-gram cache
     mlx_lm: bool = True  # add mlx-lm's speculative decoding where the vocabularies match
+    time_limit_s: float | None = None  # start no new prompt after this long (whole prompts only)
 
 
 @dataclass(frozen=True)
@@ -204,10 +206,20 @@ def _cpu_name() -> str | None:
         return platform.processor() or None
 
 
+def _git_commit() -> str | None:
+    import subprocess
+    from pathlib import Path
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
 def environment_base() -> dict:
     """The machine and the software the numbers were measured on."""
-    import os
-
     import mlx_lm
 
     from omnidraft_mlx.blas import active_blas
@@ -222,6 +234,7 @@ def environment_base() -> dict:
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
         "device": str(mx.default_device()),
+        "omnidraft_commit": _git_commit(),
     }
 
 
@@ -273,14 +286,18 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         run_one(pair, method, warm, WARMUP_TOKENS)
 
     task = progress.add_task("bench", total=len(prompts) * len(methods)) if progress else None
-    records = []
+    records, start = [], time.perf_counter()
     for i, prompt in enumerate(prompts):
+        if cfg.time_limit_s is not None and time.perf_counter() - start > cfg.time_limit_s:
+            prompts = prompts[:i]  # out of time: report the prompts every method finished
+            break
         done = {}
         for order, method in enumerate(rotated(methods, i)):
             if progress:
                 progress.update(task, description=f"{prompt.id} {method.name}")
             record = run_one(pair, method, prompt, cfg.max_tokens)
             record["order"] = order
+            record["load_avg_1m"] = os.getloadavg()[0]  # other work on the machine, for drift
             done[method.name] = record
             if progress:
                 progress.advance(task)

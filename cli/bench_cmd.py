@@ -45,6 +45,8 @@ def bench(
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Tokens per generation (default 96; --quick: 32)."),
     quick: bool = typer.Option(False, "--quick", help="A few short prompts: a check in minutes, not a measurement."),
     no_profile: bool = typer.Option(False, "--no-profile", help="Start from an empty n-gram cache, not the pair's profile."),
+    time_limit: Optional[float] = typer.Option(
+        None, "--time-limit", help="Minutes after which no new prompt starts (the report keeps whole prompts)."),
     no_mlx_lm: bool = typer.Option(False, "--no-mlx-lm", help="Leave out mlx-lm's speculative decoding."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default omnidraft-bench/DRAFT__TARGET)."),
     forward_cost: Optional[str] = typer.Option(
@@ -90,6 +92,7 @@ def bench(
         prompts=prompts or (QUICK_PROMPTS if quick else 6),
         max_tokens=max_tokens or (QUICK_TOKENS if quick else 96),
         shortest=quick, use_profile=not no_profile, mlx_lm=not no_mlx_lm,
+        time_limit_s=None if time_limit is None else 60 * time_limit,
     )
     out = out or Path("omnidraft-bench") / f"{_slug(draft)}__{_slug(target)}"
     with _progress() as progress:
