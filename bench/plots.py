@@ -97,8 +97,9 @@ def plot_time_split(result: dict, path: Path) -> None:
         ax.set_xticks(x, methods, rotation=60, ha="right", fontsize=7)
         ax.set_title(task, fontsize=9)
     axes[0][0].set_ylabel("ms per generated token")
-    axes[0][0].legend(fontsize=7)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(_title(result), fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     _save(fig, path)
 
 
@@ -108,7 +109,8 @@ def _title(result: dict) -> str:
 
 
 def _save(fig, path: Path) -> None:
-    fig.tight_layout()
+    if not fig.get_layout_engine():
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
