@@ -59,6 +59,7 @@ class DeriveConfig:
     select_seqs: int = 4  # held-out sequences (of seq_len/2 tokens) scoring the layer drops
     eval_seqs: int = 16  # held-out sequences for the before/after losses
     train_tokens: int = 2_000_000  # upper bound on the training text
+    bench_prompts: bool = True  # also train on the benchmark's "adapt" prompts, where present
     checkpoint_every: float = 60.0  # seconds
     seed: int = 0
 
@@ -93,16 +94,22 @@ def _heldout(path: Path) -> bool:
     return hashlib.sha1(str(path).encode()).digest()[0] < 26
 
 
-def adapt_texts() -> list[str]:
-    """Benchmark prompts of the "adapt" split, where bench/tasks.py provides them."""
+def adapt_texts(tokenizer) -> list[str]:
+    """Benchmark prompts of the "adapt" split (never "heldout"), in the drafter's
+    chat template as it sees them in use; none where bench/tasks.py or its data is missing."""
     try:
         from omnidraft_mlx.bench.tasks import TASKS, load_task
     except ImportError:
         return []
+    from omnidraft_mlx.prompts import encode_prompt, user_messages
+
     texts = []
-    for name in TASKS:
-        for item in load_task(name, "adapt"):
-            texts.append(item if isinstance(item, str) else getattr(item, "prompt", str(item)))
+    for task in TASKS:
+        try:
+            prompts = load_task(task, "adapt")
+        except OmniDraftError:  # its data cannot be fetched here: go without
+            continue
+        texts += [tokenizer.decode(encode_prompt(tokenizer, user_messages(p.text))) for p in prompts]
     return texts
 
 
@@ -118,8 +125,8 @@ def token_windows(tokenizer, texts, n_tokens: int, length: int, rng) -> np.ndarr
                 text = text.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError):
                 continue
-        if len(text) < 200:
-            continue
+            if len(text) < 200:  # stubs and empty __init__ files
+                continue
         # At most ~4 windows per file: many files beat a few big ones.
         tokens = tokenizer.encode(text[: 16 * length], add_special_tokens=False)[: 4 * length]
         ids.extend(tokens + [eos])
@@ -138,7 +145,7 @@ def datasets(tokenizer, cfg: DeriveConfig) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(cfg.seed)
     heldout_need = (cfg.eval_seqs + cfg.select_seqs) * (cfg.seq_len + 1)
     heldout = token_windows(tokenizer, [f for f in files if _heldout(f)], heldout_need, cfg.seq_len + 1, rng)
-    train_texts = [f for f in files if not _heldout(f)] + adapt_texts()
+    train_texts = [f for f in files if not _heldout(f)] + (adapt_texts(tokenizer) if cfg.bench_prompts else [])
     train = token_windows(tokenizer, train_texts, cfg.train_tokens, cfg.seq_len + 1, rng)
     return train, heldout
 

@@ -13,7 +13,8 @@ from omnidraft_mlx.models import derive as d
 from omnidraft_mlx.models.pull import local_state, resolve_model
 from tiny_models import TEXT, corpus, train_tokenizer, write_model
 
-SMALL = dict(seq_len=32, batch=4, select_seqs=2, eval_seqs=4, train_tokens=20_000, lr=1e-3, warmup=5)
+SMALL = dict(seq_len=32, batch=4, select_seqs=2, eval_seqs=4, train_tokens=20_000, lr=1e-3, warmup=5,
+             bench_prompts=False)
 
 
 @pytest.fixture(scope="module")

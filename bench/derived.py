@@ -1,0 +1,229 @@
+"""A derived (shallow) drafter against the full one it came from, in one run.
+
+1. Cost: a single-token forward with 200 cached tokens for the full drafter cut
+   to several depths (the weights do not change the cost), the derived model,
+   the full drafter and both targets, in interleaved rounds (median).
+2. Decoding: plain target decoding and speculative decoding with the full and
+   with the derived drafter, interleaved prompt by prompt in a rotating order on
+   held-out code and math prompts; greedy, so every output must equal plain.
+
+    flock /tmp/omnidraft-cpu.lock ./run.sh python -m omnidraft_mlx.bench.derived \\
+        --derived smollm2-135m-6l --out bench/results/derived
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.bench.run import BenchConfig, Method, environment_base, rotated, run_one, select_prompts
+from omnidraft_mlx.speculative import prefill
+
+CACHED = 200
+
+
+def step_ms(model, repeats: int = 7) -> float:
+    """Median ms of a single-token forward with CACHED tokens in the KV cache."""
+    cache = make_prompt_cache(model)
+    prefill(model, cache, [(17 * i) % 1000 + 100 for i in range(CACHED)])
+    x = mx.array([[42]])
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        mx.eval(model(x, cache=cache))
+        times.append(time.perf_counter() - start)
+        trim_prompt_cache(cache, 1)
+    return 1000 * float(np.median(times[1:]))
+
+
+def measure_costs(full, models: dict, depths: list[int], rounds: int, progress=None) -> dict:
+    """ms per token: `full` cut to each depth, then each of `models`; median over rounds."""
+    layers = list(full.model.layers)
+    times: dict[str, list[float]] = {}
+    task = progress.add_task("cost", total=rounds * (len(depths) + len(models))) if progress else None
+    for _ in range(rounds):
+        for n in depths:
+            full.model.layers = layers[:n]
+            times.setdefault(f"drafter cut to {n} layers", []).append(step_ms(full))
+            if progress:
+                progress.advance(task)
+        full.model.layers = layers
+        for name, model in models.items():
+            times.setdefault(name, []).append(step_ms(model))
+            if progress:
+                progress.advance(task)
+    return {name: round(float(np.median(v)), 2) for name, v in times.items()}
+
+
+def decode_all(pairs: dict, methods: list[tuple[str, Method]], prompts, max_tokens: int, progress=None) -> list:
+    """Every (pair, method) on every prompt, rotating the order prompt by prompt."""
+    from omnidraft_mlx.bench.tasks import Prompt
+
+    warm = Prompt("warmup", "chat", "Say hello.")
+    for label, method in methods:  # first calls allocate; keep them out of the numbers
+        run_one(pairs[label], method, warm, 4)
+    task = progress.add_task("decode", total=len(prompts) * len(methods)) if progress else None
+    records = []
+    for i, prompt in enumerate(prompts):
+        done = {}
+        for label, method in rotated(methods, i):
+            if progress:
+                progress.update(task, description=f"{prompt.id} {label}")
+            record = run_one(pairs[label], method, prompt, max_tokens)
+            done[label] = {**record, "method": label}
+            if progress:
+                progress.advance(task)
+        plain = done["plain"]
+        for label, _ in methods:
+            record = done[label]
+            record["speedup"] = record["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+            record["equal_to_plain"] = record["output"] == plain["output"]
+            records.append(record)
+    return records
+
+
+def summarize(records: list) -> dict:
+    """Per method, over all prompts: tokens/s, speedup, acceptance, tokens per target forward."""
+    out = {}
+    for label in dict.fromkeys(r["method"] for r in records):
+        rs = [r for r in records if r["method"] == label]
+        tokens, seconds = sum(r["tokens"] for r in rs), sum(r["generate_s"] for r in rs)
+        proposed = sum(r["proposed"] or 0 for r in rs)
+        out[label] = {
+            "tokens": tokens,
+            "tokens_per_s": round(tokens / seconds, 3),
+            "acceptance": round(sum(r["accepted"] or 0 for r in rs) / proposed, 3) if proposed else None,
+            "tokens_per_forward": round(tokens / sum(r["rounds"] for r in rs), 3),
+            "draft_s": round(sum(r["draft_s"] or 0 for r in rs), 2),
+            "verify_s": round(sum(r["verify_s"] or 0 for r in rs), 2),
+            "all_equal_to_plain": all(r["equal_to_plain"] for r in rs),
+        }
+    plain = out["plain"]["tokens_per_s"]
+    for row in out.values():
+        row["speedup"] = round(row["tokens_per_s"] / plain, 3)
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    cost = result["cost_ms"]
+    names = list(cost)
+    ax = axes[0]
+    ax.barh([Path(n).name for n in names], [cost[n] for n in names],
+            color=["tab:orange" if n == result["derived"] else "tab:blue" for n in names])
+    big = result["targets"][-1]
+    ax.axvline(cost[big] / 10, color="red", ls="--", label=f"1/10 of {Path(big).name}")
+    ax.set_xlabel("ms per single-token forward (200 cached)")
+    ax.set_xscale("log")
+    ax.legend(fontsize=7)
+    ax.set_title("cost per token", fontsize=9)
+
+    ax = axes[1]
+    sel = result["derived_info"]["selection_loss"]
+    depths = sorted(int(d) for d in sel)
+    ax.plot(depths, [sel[str(d)] for d in depths], marker=".", label="greedy drop (no training)")
+    info = result["derived_info"]
+    n = len(info["kept_layers"])
+    ax.scatter([n], [info["heldout_before"]["loss"]], color="tab:red", zorder=3, label="before distillation*")
+    ax.scatter([n], [info["heldout_after"]["loss"]], color="tab:orange", zorder=3, label="after distillation*")
+    ax.axhline(info["heldout_after"]["teacher_loss"], color="gray", ls=":", label="full drafter")
+    ax.set_xlabel("layers kept")
+    ax.set_ylabel("held-out next-token loss")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.set_title("quality by depth (*: evaluation text, longer windows)", fontsize=9)
+
+    ax = axes[2]
+    summary = result["summary"]
+    labels = [m for m in summary if m != "plain"]
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, [summary[m]["speedup"] for m in labels], 0.4, label="speedup vs plain")
+    ax.bar(x + 0.2, [summary[m]["acceptance"] for m in labels], 0.4, label="acceptance")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.legend(fontsize=7)
+    ax.set_title(f"target {Path(result['target']).name}, {len(result['prompt_ids'])} prompts, greedy", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    from rich.console import Console
+
+    from omnidraft_mlx.blas import ensure_fast_blas
+    from omnidraft_mlx.loading import load_model
+    from omnidraft_mlx.models.convert import INFO_FILE
+    from omnidraft_mlx.models.pull import _progress, resolve_model
+    from omnidraft_mlx.pair import make_pair
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--derived", required=True, help="the derived drafter (a local model name)")
+    parser.add_argument("--full", default="smollm2-135m")
+    parser.add_argument("--target", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--big-target", default="qwen2.5-coder-1.5b", help="only timed, for the cost ratio")
+    parser.add_argument("--depths", default="4,6,8")
+    parser.add_argument("--k", default="4", help="draft lengths for the derived drafter (the full one uses 4)")
+    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per task (code, math)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--cost-rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/derived"))
+    args = parser.parse_args()
+    ensure_fast_blas()
+
+    info = json.loads((Path(resolve_model(args.derived)) / INFO_FILE).read_text())
+    full, full_tok = load_model(args.full)
+    derived, derived_tok = load_model(args.derived)
+    target, target_tok = load_model(args.target)
+    big, _ = load_model(args.big_target)
+    prompts = select_prompts(BenchConfig(draft=args.derived, target=args.target, tasks=["code", "math"],
+                                         prompts=args.prompts))
+    with _progress(True) as bar:
+        cost = measure_costs(
+            full, {args.derived: derived, args.full: full, args.target: target, args.big_target: big},
+            [int(d) for d in args.depths.split(",")], args.cost_rounds, bar,
+        )
+        del big
+        pairs = {"plain": make_pair(full, full_tok, target, target_tok)}
+        pairs["full-k4"] = pairs["plain"]
+        methods = [("plain", Method("plain", "plain")), ("full-k4", Method("ours-k4", "ours", 4, "text"))]
+        derived_pair = make_pair(derived, derived_tok, target, target_tok)
+        for k in [int(k) for k in args.k.split(",")]:
+            pairs[f"derived-k{k}"] = derived_pair
+            methods.append((f"derived-k{k}", Method(f"ours-k{k}", "ours", k, "text")))
+        records = decode_all(pairs, methods, prompts, args.max_tokens, bar)
+    big_step = cost[args.big_target]
+    result = {
+        "derived": args.derived, "full": args.full, "target": args.target,
+        "targets": [args.target, args.big_target],
+        "cost_ms": cost,
+        "cost_ratio": {name: {t: round(cost[t] / ms, 2) for t in (args.target, args.big_target)}
+                       for name, ms in cost.items() if name not in (args.target, args.big_target)},
+        "goal_met": cost[args.derived] <= big_step / 10,
+        "derived_info": info,
+        "prompt_ids": [p.id for p in prompts],
+        "max_tokens": args.max_tokens,
+        "summary": summarize(records),
+        "records": [{k: v for k, v in r.items() if k != "output"} for r in records],
+        "environment": environment_base(),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(args.out / "derived.json", json.dumps(result, indent=2))
+    plot(result, args.out / "derived.png")
+    Console().print_json(json.dumps({"cost_ms": cost, "summary": result["summary"]}))
+
+
+if __name__ == "__main__":
+    main()
