@@ -11,6 +11,7 @@ import os
 import platform
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -215,11 +216,7 @@ def convert_gguf(gguf_path, out_dir, dtype=None, sha256=None) -> Path:
     config["eos_token_id"] = _eos_ids(reader, config) or config.get("eos_token_id")
     config["torch_dtype"] = dtype
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged_dir(out_dir) as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         del weights
         with open(tmp / "config.json", "w") as f:
@@ -236,11 +233,23 @@ def convert_gguf(gguf_path, out_dir, dtype=None, sha256=None) -> Path:
         }
         with open(tmp / INFO_FILE, "w") as f:
             json.dump(info, f, indent=2)
+    return out_dir
+
+
+@contextmanager
+def staged_dir(out_dir: Path):
+    """A fresh temp directory beside out_dir that replaces it when the block
+    succeeds and is deleted when it fails: out_dir is never half-written."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

@@ -37,7 +37,7 @@ import numpy as np
 
 from omnidraft_mlx.atomic import atomic_write_text
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.models.convert import INFO_FILE, _replace_dir
+from omnidraft_mlx.models.convert import INFO_FILE, staged_dir
 from omnidraft_mlx.models.pull import _progress, is_model_dir, model_home, models_dir, resolve_model
 
 WEIGHTS = "model.safetensors"
@@ -374,22 +374,14 @@ def write_model_dir(src: Path, out: Path, student, keep: list[int], info: dict) 
     config["num_hidden_layers"] = len(keep)
     if isinstance(config.get("layer_types"), list):
         config["layer_types"] = [config["layer_types"][i] for i in keep]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged_dir(out) as tmp:
         mx.save_safetensors(str(tmp / WEIGHTS), dict(tree_flatten(student.parameters())), metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for f in src.iterdir():
-            if f.is_file() and f.suffix not in (".safetensors",) and f.name not in ("config.json", INFO_FILE) \
-                    and not f.name.endswith(".safetensors.index.json"):
+            # Tokenizer files and the like; not the weights, config or provenance.
+            if f.is_file() and ".safetensors" not in f.name and f.name not in ("config.json", INFO_FILE):
                 shutil.copy2(f, tmp / f.name)
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2))
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
