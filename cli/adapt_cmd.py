@@ -54,13 +54,11 @@ def adapt(
     """Fine-tune the drafter for the target on CORPUS (or --task), saving the pair's profile after every update."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from omnidraft_mlx.adapt import Budget, OnlineLearner, evaluate, stream, text
+    from omnidraft_mlx.adapt import Budget, evaluate, open_learner, stream, text
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
-    from omnidraft_mlx.distill import DistillConfig, setup_trainable
+    from omnidraft_mlx.distill import DistillConfig
     from omnidraft_mlx.loading import load_model
-    from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.profile import load_profile
     from omnidraft_mlx.speculative import SpecConfig
 
     if mode not in (None, "stream", "text"):
@@ -75,17 +73,10 @@ def adapt(
 
     draft_model, draft_tok = load_model(draft)
     target_model, target_tok = load_model(target)
-    profile = load_profile(draft, target, draft_model, trainable=True)
     cfg = DistillConfig(lam=lam, lr=lr, lora_rank=rank, layers=layers, batch=batch, steps=steps, max_len=max_len)
-    if profile.distill:  # the saved adapter decides its own shape
-        saved = DistillConfig.from_dict(profile.distill)
-        if saved.adapter_dict() != cfg.adapter_dict():
-            err_console.print(f"[yellow]note:[/] continuing the profile's adapter {saved.adapter_dict()}")
-        cfg = DistillConfig(**{**cfg.__dict__, **saved.adapter_dict()})
-    else:
-        setup_trainable(draft_model, cfg)
-    pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile.ngrams)
-    learner = OnlineLearner(pair, cfg, interval, profile, raw)
+    learner = open_learner(draft, target, (draft_model, draft_tok, target_model, target_tok), cfg, interval, raw,
+                           note=lambda s: err_console.print(f"[yellow]note:[/] {s}"))
+    pair, profile = learner.pair, learner.profile
     learner.corpus, learner.position = key, profile.position(key)
     if learner.position >= len(samples):
         err_console.print(f"[yellow]note:[/] all {len(samples)} items of {key} were learned from already; "

@@ -185,6 +185,29 @@ class OnlineLearner:
         return report
 
 
+def open_learner(draft: str, target: str, models: tuple, cfg: DistillConfig, interval: int = 8,
+                 raw: bool = False, path: Path | None = None, note: Callable[[str], None] = lambda s: None
+                 ) -> OnlineLearner:
+    """A learner on the pair's profile: its adapter, optimizer state and n-grams
+    when they exist (the saved adapter's shape wins over cfg's), else a fresh one.
+    `models` is (draft model, draft tokenizer, target model, target tokenizer)."""
+    from omnidraft_mlx.distill import setup_trainable
+    from omnidraft_mlx.pair import make_pair
+    from omnidraft_mlx.profile import load_profile
+
+    draft_model, draft_tok, target_model, target_tok = models
+    profile = load_profile(draft, target, draft_model, trainable=True, path=path)
+    if profile.distill:
+        saved = DistillConfig.from_dict(profile.distill)
+        if saved.adapter_dict() != cfg.adapter_dict():
+            note(f"continuing the profile's adapter {saved.adapter_dict()}")
+        cfg = DistillConfig(**{**cfg.__dict__, **saved.adapter_dict()})
+    else:
+        setup_trainable(draft_model, cfg)
+    pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile.ngrams)
+    return OnlineLearner(pair, cfg, interval, profile, raw)
+
+
 # --- the two loops ---------------------------------------------------------------
 
 

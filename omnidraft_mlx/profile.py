@@ -177,15 +177,17 @@ def check_profile(manifest: dict, path: Path, draft: str, target: str) -> None:
             )
 
 
-def load_profile(draft_name: str, target_name: str, draft_model=None, trainable: bool = False) -> Profile:
-    """The pair's profile; its adapter is applied to draft_model when given.
+def load_profile(draft_name: str, target_name: str, draft_model=None, trainable: bool = False,
+                 path: Path | None = None) -> Profile:
+    """The pair's profile (from `path` instead of the default place where given);
+    its adapter is applied to draft_model when given.
 
     For inference (trainable=False) LoRA adapters are fused into the drafter's
     weights; for further training they stay separate and trainable.
     """
     from omnidraft_mlx.distill import DistillConfig, fuse_lora, setup_trainable, trainable_weights
 
-    path = profile_dir(draft_name, target_name)
+    path = Path(path) if path is not None else profile_dir(draft_name, target_name)
     manifest = _read_manifest(path)
     check_profile(manifest, path, draft_name, target_name)
     ngrams = NGramCache.load(path / NGRAMS) if (path / NGRAMS).exists() else NGramCache()

@@ -1,0 +1,237 @@
+"""Held-out acceptance and speedup before adaptation, with the n-gram cache alone,
+and after online adaptation (paper's Algorithm 2) on the adaptation split.
+
+Three phases, each its own process so that the CPU lock is held in short spans:
+    python -m omnidraft_mlx.bench.adaptation before          # no adaptation
+    python -m omnidraft_mlx.bench.adaptation adapt --minutes 15   # resumable
+    python -m omnidraft_mlx.bench.adaptation after           # cache alone, adapted
+    python -m omnidraft_mlx.bench.adaptation report          # JSON + PNG
+Greedy decoding; every method decodes every held-out prompt (methods rotated per
+prompt); the n-gram cache is reset to the condition's cache for every prompt, so
+evaluation never learns. The adaptation profile lives apart from the user's
+(under OMNIDRAFT_HOME/bench/), the results in bench/results/adaptation/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from omnidraft_mlx.bench.run import Method, environment_base, rotated, run_one
+from omnidraft_mlx.bench.tasks import load_task
+
+DRAFT, TARGET = "smollm2-135m", "qwen2.5-coder-0.5b"
+TASKS = ("math", "code")
+OUT = Path(__file__).parent / "results" / "adaptation"
+
+
+def profile_path() -> Path:
+    from omnidraft_mlx.models.pull import model_home
+
+    return model_home() / "bench" / "adaptation-profile"
+
+
+def heldout(n: int) -> list:
+    per_task = [load_task(t, "heldout")[:n] for t in TASKS]
+    return [p for group in zip(*per_task) for p in group]
+
+
+def adapt_stream() -> list:
+    """The adaptation split, tasks interleaved, as one stream of prompts."""
+    from omnidraft_mlx.adapt import Sample
+    from omnidraft_mlx.prompts import user_messages
+
+    per_task = [load_task(t, "adapt") for t in TASKS]
+    n = min(len(p) for p in per_task)
+    return [Sample(messages=user_messages(p.text)) for group in zip(*(p[:n] for p in per_task)) for p in group]
+
+
+def evaluate(conditions: dict, prompts: list, k: int, max_tokens: int) -> list[dict]:
+    """conditions: name -> (pair, n-gram cache to start every prompt from, translation or None for plain)."""
+    records = []
+    names = list(conditions)
+    for i, prompt in enumerate(prompts):
+        for name in rotated(names, i):
+            pair, cache, translation = conditions[name]
+            pair = replace(pair, ngrams=copy.deepcopy(cache), spelled=set())
+            method = Method(name, "plain") if translation is None else Method(name, "ours", k, translation)
+            rec = run_one(pair, method, prompt, max_tokens)
+            rec.pop("output")
+            records.append(rec)
+            print(f"{prompt.id} {name}: acceptance {rec['acceptance']} tok/s {rec['tokens_per_s']:.2f}", flush=True)
+    return records
+
+
+def load(name: str):
+    from omnidraft_mlx.loading import load_model
+
+    return load_model(name)
+
+
+def phase_before(args) -> None:
+    from omnidraft_mlx.ngram import NGramCache
+    from omnidraft_mlx.pair import make_pair
+
+    pair = make_pair(*load(DRAFT), *load(TARGET))
+    empty = NGramCache()
+    conds = {"plain": (pair, empty, None), "none-text": (pair, empty, "text"), "none-tokens": (pair, empty, "tokens")}
+    _warm(pair)
+    _write("before", evaluate(conds, heldout(args.prompts), args.k, args.tokens), args)
+
+
+def phase_adapt(args) -> None:
+    from omnidraft_mlx.adapt import Budget, open_learner, stream
+    from omnidraft_mlx.distill import DistillConfig
+    from omnidraft_mlx.speculative import SpecConfig
+
+    cfg = DistillConfig(lam=args.lam, lr=args.lr, lora_rank=args.rank, steps=args.steps)
+    learner = open_learner(DRAFT, TARGET, (*load(DRAFT), *load(TARGET)), cfg, args.interval, path=profile_path(),
+                           note=print)
+    learner.corpus = "adaptation-split:" + ",".join(TASKS)
+    learner.position = learner.profile.position(learner.corpus)
+    log = OUT / "stream.json"
+    previous = json.loads(log.read_text())["records"] if log.exists() and learner.position else []
+    start = time.monotonic()
+
+    def show(e) -> None:
+        if e.update:
+            print(f"update {e.update.update}: loss {e.update.loss:.3f} in {e.update.seconds:.1f}s", flush=True)
+
+    records = stream(learner, adapt_stream(), SpecConfig(k=args.k, max_tokens=args.stream_tokens),
+                     Budget(args.minutes), show)
+    wall = (json.loads(log.read_text())["wall_s"] if previous else 0.0) + time.monotonic() - start
+    _save(log, {"records": previous + records, "history": learner.profile.manifest.get("history", []),
+                "settings": {**cfg.__dict__, "interval": args.interval, "stream_tokens": args.stream_tokens,
+                             "k": args.k}, "wall_s": wall})
+
+
+def phase_after(args) -> None:
+    from omnidraft_mlx.ngram import NGramCache
+    from omnidraft_mlx.pair import make_pair
+    from omnidraft_mlx.profile import load_profile
+
+    (dm, dt), (tm, tt), (am, at) = load(DRAFT), load(TARGET), load(DRAFT)
+    profile = load_profile(DRAFT, TARGET, am, path=profile_path())
+    base, adapted = make_pair(dm, dt, tm, tt), make_pair(am, at, tm, tt)
+    cache, empty = profile.ngrams, NGramCache()
+    conds = {"plain": (base, empty, None), "cache-tokens": (base, cache, "tokens"),
+             "adapted-text": (adapted, cache, "text"), "adapted-tokens": (adapted, cache, "tokens"),
+             "adapted-nocache-tokens": (adapted, empty, "tokens")}
+    _warm(base)
+    _write("after", evaluate(conds, heldout(args.prompts), args.k, args.tokens), args)
+
+
+def _warm(pair) -> None:
+    from omnidraft_mlx.bench.run import WARMUP_PROMPT, WARMUP_TOKENS
+    from omnidraft_mlx.bench.tasks import Prompt
+
+    for m in (Method("plain", "plain"), Method("w", "ours", 3, "text")):
+        run_one(pair, m, Prompt("warmup", "chat", WARMUP_PROMPT), WARMUP_TOKENS)
+
+
+def _save(path: Path, data: dict) -> None:
+    from omnidraft_mlx.atomic import atomic_write_text
+
+    atomic_write_text(path, json.dumps(data, indent=1))
+
+
+def _write(phase: str, records: list, args) -> None:
+    _save(OUT / f"{phase}.json", {"records": records, "environment": environment_base(),
+                                  "settings": {"prompts_per_task": args.prompts, "max_tokens": args.tokens, "k": args.k}})
+
+
+def summarize(records: list) -> dict:
+    """Per method and task (and 'all'): acceptance (pooled), tokens per forward, speedup (mean)."""
+    out = {}
+    for task in (*TASKS, "all"):
+        rows = [r for r in records if task == "all" or r["task"] == task]
+        for name in dict.fromkeys(r["method"] for r in rows):
+            mine = [r for r in rows if r["method"] == name]
+            plain = {r["prompt_id"]: r for r in rows if r["method"] == "plain"}
+            proposed = sum(r["proposed"] or 0 for r in mine)
+            out.setdefault(name, {})[task] = {
+                "acceptance": sum(r["accepted"] or 0 for r in mine) / proposed if proposed else None,
+                "tokens_per_forward": sum(r["tokens"] for r in mine) / sum(r["rounds"] for r in mine),
+                "tokens_per_s": sum(r["tokens"] for r in mine) / sum(r["generate_s"] for r in mine),
+                "speedup": sum(r["tokens_per_s"] / plain[r["prompt_id"]]["tokens_per_s"] for r in mine) / len(mine),
+                "prompts": len(mine),
+            }
+    return out
+
+
+def phase_report(args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    before, after = (json.loads((OUT / f"{p}.json").read_text()) for p in ("before", "after"))
+    stream_log = json.loads((OUT / "stream.json").read_text())
+    results = {"before": summarize(before["records"]), "after": summarize(after["records"])}
+    hist = stream_log["history"]
+    cost = {
+        "updates": len(hist),
+        "seconds_per_update": float(np.mean([h["seconds"] for h in hist])) if hist else None,
+        "training_tokens_per_s": float(np.mean([h["tokens_per_s"] for h in hist])) if hist else None,
+        "peak_memory_gb": max((h["peak_memory_gb"] for h in hist), default=None),
+    }
+    recs = stream_log["records"]
+    summary = {"draft": DRAFT, "target": TARGET, "greedy": True, "heldout": results, "learning_cost": cost,
+               "adaptation": {"prompts_seen": len(recs), "wall_s": stream_log["wall_s"],
+                              "settings": stream_log["settings"], "ngram_cache": recs[-1]["ngrams"] if recs else 0},
+               "environment": after["environment"]}
+    _save(OUT / "adaptation.json", summary)
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    acc = np.array([r["acceptance"] for r in recs])
+    w = stream_log["settings"]["interval"]
+    if len(acc):
+        smooth = np.convolve(acc, np.ones(w) / w, mode="valid")
+        ax.plot(np.arange(1, len(acc) + 1), acc, ".", alpha=0.3, label="per prompt (on-policy, adapt split)")
+        ax.plot(np.arange(w, len(acc) + 1), smooth, "-", label=f"mean of last {w}")
+    for name, res, style in (("held-out before", results["before"]["none-text"], "--"),
+                             ("held-out after", results["after"]["adapted-text"], "-.")):
+        ax.axhline(res["all"]["acceptance"], linestyle=style, color="gray" if "before" in name else "green", label=name)
+    ax.set_xlabel("prompts seen")
+    ax.set_ylabel("acceptance (accepted / proposed target tokens)")
+    ax.set_title(f"{DRAFT} -> {TARGET}, greedy, text translation")
+    ax.legend(fontsize=8)
+    bars = [("none", "before", "none-text"), ("none\ntokens", "before", "none-tokens"),
+            ("cache\ntokens", "after", "cache-tokens"), ("adapted\ntokens", "after", "adapted-tokens"),
+            ("adapted\ntext", "after", "adapted-text")]
+    for i, task in enumerate(TASKS):
+        vals = [results[ph][m][task]["acceptance"] for _, ph, m in bars]
+        bx.bar(np.arange(len(bars)) + 0.4 * i, vals, 0.4, label=task)
+    bx.set_xticks(np.arange(len(bars)) + 0.2, [b[0] for b in bars], fontsize=8)
+    bx.set_ylabel("held-out acceptance")
+    bx.legend()
+    fig.tight_layout()
+    fig.savefig(OUT / "acceptance.png", dpi=120)
+    print(json.dumps({k: v for k, v in summary.items() if k != "environment"}, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=["before", "adapt", "after", "report"])
+    ap.add_argument("--prompts", type=int, default=5, help="held-out prompts per task")
+    ap.add_argument("--tokens", type=int, default=48, help="tokens per held-out generation")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--minutes", type=float, default=15.0, help="adaptation budget of this invocation")
+    ap.add_argument("--stream-tokens", type=int, default=64, help="reply length while adapting")
+    ap.add_argument("--interval", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lam", type=float, default=0.2)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=2)
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    {"before": phase_before, "adapt": phase_adapt, "after": phase_after, "report": phase_report}[args.phase](args)
+
+
+if __name__ == "__main__":
+    main()
