@@ -21,6 +21,7 @@ from mlx_lm.sample_utils import apply_top_p
 
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
+from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, token_features
 from omnidraft_mlx.translate import complete_utf8, translate_text, translate_tokens
 
 PREFILL_CHUNK = 512
@@ -51,7 +52,8 @@ class SpecStats:
     emitted: int = 0
     ngram_hits: int = 0
     draft_forwards: int = 0
-    round_ends: dict = field(default_factory=dict)  # why rounds stopped: all accepted, rejected, ...
+    drafted: int = 0  # draft tokens behind the proposals
+    round_ends: dict = field(default_factory=dict)  # rounds "all accepted" / "rejected"
 
     @property
     def acceptance(self) -> float:
@@ -71,12 +73,18 @@ class SpecStats:
 
 
 def prefill(model, cache, ids: list[int]) -> mx.array | None:
-    """Feed ids through model into cache (in chunks); logits of the last position."""
-    logits = None
+    """Feed ids through model into cache (in chunks); final hidden state of the last position."""
+    hidden = None
     for start in range(0, len(ids), PREFILL_CHUNK):
-        logits = model(mx.array(ids[start : start + PREFILL_CHUNK])[None], cache=cache)[0, -1]
-        mx.eval(logits)
-    return logits
+        hidden = model.model(mx.array(ids[start : start + PREFILL_CHUNK])[None], cache=cache)[0, -1]
+        mx.eval(hidden)
+    return hidden
+
+
+def output_head(model):
+    """The model's hidden -> logits projection (tied embeddings or lm_head)."""
+    head = getattr(model, "lm_head", None)
+    return head if head is not None else model.model.embed_tokens.as_linear
 
 
 class DraftState:
@@ -89,12 +97,13 @@ class DraftState:
         self.text_ids: list[int] = []  # draft tokenization of the accepted text
         self.text_ends: list[int] = []  # byte offset where each of those ends
 
-    def feed(self, ids: list[int]) -> mx.array:
+    def feed(self, ids: list[int]) -> tuple[mx.array, mx.array]:
         self.fed += ids
-        return prefill(self.pair.draft, self.cache, ids)
+        hidden = prefill(self.pair.draft, self.cache, ids)
+        return output_head(self.pair.draft)(hidden), hidden
 
-    def sync(self, text: bytes, committed: list[int]) -> mx.array:
-        """Point the drafter at the accepted text; logits for its next token."""
+    def sync(self, text: bytes, committed: list[int]) -> tuple[mx.array, mx.array]:
+        """Point the drafter at the accepted text; logits (and hidden state) for its next token."""
         if self.pair.vmap.same_vocab:
             self.text_ids = list(committed)
         else:
@@ -137,12 +146,47 @@ def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return r / total if total > 0 else p
 
 
+def proposal_dist(pair: Pair, probs, draft_ids, span, target_id) -> np.ndarray:
+    """q' over the target vocabulary at one proposed position (paper's Eq. 2 for n-grams)."""
+    q = probs[span[0]]
+    qt = np.bincount(pair.mapped_target, q[pair.mapped_draft], minlength=len(pair.vmap.target_bytes))
+    if span[1] - span[0] > 1:
+        merged = float(np.prod([probs[j][draft_ids[j]] for j in range(*span)]))
+        qt[target_id] += merged
+        first = pair.vmap.draft_to_target[draft_ids[span[0]]]
+        if first >= 0:
+            qt[first] = max(0.0, qt[first] - merged)
+    return qt
+
+
+def verify_sampled(pair, out, proposal, spans, probs, draft_ids, cfg, rng) -> tuple[int, int]:
+    """Standard speculative sampling: (accepted count, the target's next token)."""
+    p = target_probs(out, cfg.temp, cfg.top_p)
+    for n, t in enumerate(proposal):
+        qt = proposal_dist(pair, probs, draft_ids, spans[n], t)
+        if rng.random() * qt[t] >= p[n, t]:  # reject with prob 1 - min(1, p/q')
+            return n, int(rng.choice(p.shape[1], p=residual(p[n], qt)))
+    n = len(proposal)
+    return n, int(rng.choice(p.shape[1], p=p[n] / p[n].sum()))
+
+
+def drafted_and_kept(vmap, draft_ids: list[int], new: list[int]) -> list[bool]:
+    """Per drafted token: did its text reach the output? (labels across vocabularies)"""
+    drafted = b"".join(vmap.draft_bytes[d] or b"" for d in draft_ids)
+    kept = b"".join(vmap.target_bytes[t] or b"" for t in new)
+    matched = next((i for i, (a, b) in enumerate(zip(drafted, kept)) if a != b), min(len(drafted), len(kept)))
+    ends = np.cumsum([len(vmap.draft_bytes[d] or b"") for d in draft_ids])
+    return (ends <= matched).tolist()
+
+
 def speculative_generate(
-    pair: Pair, draft_prompt: list[int], target_prompt: list[int], cfg: SpecConfig, stats: SpecStats
+    pair: Pair, draft_prompt: list[int], target_prompt: list[int], cfg: SpecConfig, stats: SpecStats,
+    policy: DraftPolicy | None = None,
 ) -> Iterator[tuple[list[int], list[bool]]]:
     """Yield (new target ids, which of them were drafted) after every round."""
     if cfg.k < 1:
         raise OmniDraftError(f"draft length k must be at least 1 (got {cfg.k})")
+    policy = policy or DraftPolicy(PolicyConfig(k=cfg.k))
     vmap, greedy = pair.vmap, cfg.temp == 0
     by_text = greedy and cfg.translation == "text" and not vmap.same_vocab
     ngrams = None if vmap.same_vocab or (not greedy and cfg.sampling == "exact") else pair.ngrams
@@ -151,50 +195,40 @@ def speculative_generate(
     target_eos = set(pair.target_tok.eos_token_ids) | {vmap.target_eos}
     rng = np.random.default_rng(cfg.seed)
 
-    def draft(logits: mx.array) -> tuple[list[int], list[np.ndarray | None]]:
-        ids, probs = [], []
-        for i in range(cfg.k):
+    def draft(logits, hidden, limit):
+        """Up to `limit` draft tokens: ids, their distributions (sampling) and head features."""
+        ids, probs, feats = [], [], []
+        policy.begin_round()
+        for i in range(limit):
             if greedy:
                 d, q = int(mx.argmax(logits).item()), None
             else:
                 q = _softmax(logits, cfg.temp)[: len(vmap.draft_to_target)]
-                if draft_mask is not None:
-                    q = np.where(draft_mask, q, 0.0)
+                q = np.where(draft_mask, q, 0.0) if draft_mask is not None else q
                 q = q / q.sum()
                 d = int(rng.choice(len(q), p=q))
-            ids.append(d)
-            probs.append(q)
+            f = token_features(hidden, logits, d, i) if policy.needs_features else None
+            if not policy.wants(i, logits, d, f):
+                break
+            ids.append(d), probs.append(q), feats.append(f)
             if d in vmap.draft_eos:
                 break
-            if by_text:
-                if vmap.draft_bytes[d] is None:
-                    break
-            else:
+            if by_text and vmap.draft_bytes[d] is None:
+                break
+            if not by_text:
                 t = translate_tokens(ids, vmap, ngrams)
                 if t.consumed < len(ids) and not t.open_ngram:
                     break  # unverifiable: drafting further is wasted
-            if i < cfg.k - 1:
-                logits = drafter.feed([d])
+            if i < limit - 1:
+                logits, hidden = drafter.feed([d])
                 stats.draft_forwards += 1
-        return ids, probs
-
-    def proposal_dist(probs, draft_ids, span, target_id) -> np.ndarray:
-        """q' over the target vocabulary at one proposed position (paper's Eq. 2 for n-grams)."""
-        q = probs[span[0]]
-        qt = np.bincount(pair.mapped_target, q[pair.mapped_draft], minlength=len(vmap.target_bytes))
-        if span[1] - span[0] > 1:
-            merged = float(np.prod([probs[j][draft_ids[j]] for j in range(*span)]))
-            qt[target_id] += merged
-            first = vmap.draft_to_target[draft_ids[span[0]]]
-            if first >= 0:
-                qt[first] = max(0.0, qt[first] - merged)
-        return qt
+        return ids, probs, feats
 
     t_start = time.perf_counter()
     target_cache = make_prompt_cache(pair.target)
     prefill(pair.target, target_cache, target_prompt[:-1])
     drafter = DraftState(pair, draft_prompt, cfg.lookbehind)
-    logits = drafter.sync(b"", [])
+    logits, hidden = drafter.sync(b"", [])
     stats.prompt_tokens = len(target_prompt)
     stats.prefill_s = time.perf_counter() - t_start
     t_gen = time.perf_counter()
@@ -204,14 +238,14 @@ def speculative_generate(
         # 1. Draft, then translate into target tokens.
         t0 = time.perf_counter()
         if stats.rounds:
-            logits = drafter.sync(bytes(text), committed)
-        draft_ids, probs = draft(logits)
+            logits, hidden = drafter.sync(bytes(text), committed)
+        draft_ids, probs, feats = draft(logits, hidden, min(policy.max_len, cfg.max_tokens - len(committed)))
         t1 = time.perf_counter()
         if by_text:
             proposal, spans = translate_text(draft_ids, vmap, pair.target_tok), None
         else:
             tr = translate_tokens(draft_ids, vmap, ngrams)
-            proposal, spans = tr.target_ids, tr.spans
+            proposal, spans, draft_ids = tr.target_ids, tr.spans, draft_ids[: tr.consumed]
         proposal = proposal[: cfg.max_tokens - len(committed) - 1]
 
         # 2. Verify all proposals in one target forward.
@@ -219,42 +253,30 @@ def speculative_generate(
         out = pair.target(mx.array([y, *proposal])[None], cache=target_cache)[0]
         if greedy:
             choice = out.argmax(axis=-1).tolist()
-            n = 0
-            while n < len(proposal) and choice[n] == proposal[n]:
-                n += 1
+            n = next((i for i, t in enumerate(proposal) if choice[i] != t), len(proposal))
             y = choice[n]
         else:
-            p = target_probs(out, cfg.temp, cfg.top_p)
-            n = 0
-            for n, t in enumerate(proposal):
-                qt = proposal_dist(probs, draft_ids, spans[n], t)
-                if rng.random() * qt[t] >= p[n, t]:  # reject with prob 1 - min(1, p/q')
-                    p[n] = residual(p[n], qt)
-                    break
-            else:
-                n = len(proposal)
-            y = int(rng.choice(p.shape[1], p=p[n] / p[n].sum()))
+            n, y = verify_sampled(pair, out, proposal, spans, probs, draft_ids, cfg, rng)
         t3 = time.perf_counter()
         trim_prompt_cache(target_cache, len(proposal) - n)
 
-        # 3. Commit and account.
-        if spans is not None and ngrams is not None:
-            for s, e in spans[:n]:
-                if e - s > 1:
-                    ngrams.record_use(tuple(draft_ids[s:e]))
-                    stats.ngram_hits += 1
+        # 3. Commit, learn, account.
         new = [*proposal[:n], y]
+        policy.observe(feats[: len(draft_ids)], drafted_and_kept(vmap, draft_ids, new))
+        for s, e in (spans or [])[:n]:
+            if e - s > 1:
+                ngrams.record_use(tuple(draft_ids[s:e]))
+                stats.ngram_hits += 1
         stats.rounds += 1
         stats.proposed += len(proposal)
         stats.accepted += n
+        stats.drafted += len(draft_ids)
         why = "all accepted" if n == len(proposal) else "rejected"
         stats.round_ends[why] = stats.round_ends.get(why, 0) + 1
         stats.draft_s += t1 - t0
         stats.verify_s += t3 - t2
         stop = next((i for i, t in enumerate(new) if t in target_eos), None)
-        if stop is not None:
-            new = new[:stop]
-        new = new[: cfg.max_tokens - len(committed)]
+        new = new[:stop][: cfg.max_tokens - len(committed)]
         committed += new
         for t in new:
             text += vmap.target_bytes[t] or b""

@@ -1,0 +1,136 @@
+"""How far to draft each round.
+
+Drafting a token the target will reject wastes a drafter forward; stopping
+early wastes a chance to emit several tokens per target forward. Policies:
+- `fixed`: always k tokens;
+- `confidence`: stop when the drafter's top probability falls below p_min
+  (llama.cpp's rule);
+- `heuristic`: k grows by 2 after a fully accepted round, shrinks by 1
+  otherwise (transformers' assisted generation);
+- `learned`: a small acceptance head on the drafter's features predicts
+  P(accept | previous accepted); stop when 1 - prod P > gamma (OmniDraft).
+  Trained online from the verification of the translated target tokens, so it
+  works across vocabularies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+
+POLICIES = ("fixed", "confidence", "heuristic", "learned")
+
+
+@dataclass
+class PolicyConfig:
+    name: str = "fixed"
+    k: int = 4  # fixed length; start length for heuristic; length before the head has learned
+    max_k: int = 8  # cap for the adaptive policies
+    p_min: float = 0.6  # confidence policy threshold
+    gamma: float = 0.5  # learned policy: stop when P(some rejection) exceeds gamma
+    warmup: int = 256  # labelled draft tokens before the head decides
+    update_every: int = 8  # rounds between head updates
+    buffer: int = 8192  # bounded replay buffer of (features, label)
+
+
+def token_features(hidden: mx.array, logits: mx.array, token: int, depth: int) -> mx.array:
+    """What the head sees of one drafted token: the drafter's hidden state, the
+    token's log-probability, the distribution's entropy and the draft depth."""
+    logprobs = logits - mx.logsumexp(logits)
+    entropy = -(mx.exp(logprobs) * logprobs).sum()
+    extra = mx.stack([logprobs[token], entropy, mx.array(float(depth))])
+    return mx.concatenate([hidden.astype(mx.float32), extra])
+
+
+class AcceptanceHead(nn.Module):
+    def __init__(self, dims: int, hidden: int = 64):
+        super().__init__()
+        self.norm = nn.LayerNorm(dims)
+        self.l1 = nn.Linear(dims, hidden)
+        self.l2 = nn.Linear(hidden, 1)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.l2(nn.gelu(self.l1(self.norm(x)))).squeeze(-1)  # logit of P(accept)
+
+
+class DraftPolicy:
+    """Decides, token by token, whether to keep drafting; learns from verification."""
+
+    def __init__(self, cfg: PolicyConfig):
+        self.cfg = cfg
+        self.k = cfg.k  # heuristic's current length
+        self.head: AcceptanceHead | None = None
+        self.opt = optim.AdamW(learning_rate=1e-3, weight_decay=0.01)
+        self.features: list[np.ndarray] = []
+        self.labels: list[float] = []
+        self.rounds = 0
+        self._survival = 1.0  # prod of P(accept) over this round's tokens
+
+    @property
+    def max_len(self) -> int:
+        if self.cfg.name == "fixed" or (self.cfg.name == "learned" and not self.ready):
+            return self.cfg.k
+        return self.k if self.cfg.name == "heuristic" else self.cfg.max_k
+
+    @property
+    def ready(self) -> bool:
+        return self.head is not None and len(self.labels) >= self.cfg.warmup
+
+    def begin_round(self) -> None:
+        self._survival = 1.0
+
+    @property
+    def needs_features(self) -> bool:
+        return self.cfg.name == "learned"
+
+    def wants(self, depth: int, logits: mx.array, token: int, features: mx.array | None) -> bool:
+        """Whether to propose the token just drafted at this depth (the first always)."""
+        if self.cfg.name == "confidence":
+            return depth == 0 or mx.softmax(logits)[token].item() >= self.cfg.p_min
+        if self.cfg.name == "learned" and self.ready:
+            self._survival *= mx.sigmoid(self.head(features)).item()
+            return depth == 0 or 1.0 - self._survival <= self.cfg.gamma
+        return True
+
+    def observe(self, features: list[mx.array], accepted: list[bool]) -> None:
+        """Labels for this round's proposed draft tokens: did their text reach the output?"""
+        all_accepted = all(accepted)
+        if self.cfg.name == "heuristic":
+            self.k = min(self.cfg.max_k, self.k + 2) if all_accepted else max(1, self.k - 1)
+        if self.cfg.name != "learned" or not features:
+            return
+        if self.head is None:
+            self.head = AcceptanceHead(features[0].shape[0])
+        # P(accept | previous accepted): tokens after the first rejection carry no label.
+        for f, ok in zip(features, accepted):
+            self.features.append(np.array(f))
+            self.labels.append(float(ok))
+            if not ok:
+                break
+        del self.features[: -self.cfg.buffer], self.labels[: -self.cfg.buffer]
+        self.rounds += 1
+        if self.rounds % self.cfg.update_every == 0 and len(self.labels) >= 32:
+            self.train(steps=4)
+
+    def train(self, steps: int, batch: int = 256, seed: int = 0) -> float:
+        """A few weighted-BCE steps on the replay buffer; returns the last loss."""
+        x, y = np.stack(self.features), np.array(self.labels, dtype=np.float32)
+        pos = max(y.mean(), 1e-3)
+        w = np.where(y > 0.5, 0.5 / pos, 0.5 / max(1 - pos, 1e-3)).astype(np.float32)  # balance classes
+        rng = np.random.default_rng(seed + self.rounds)
+
+        def loss_fn(head, xb, yb, wb):
+            return (nn.losses.binary_cross_entropy(head(xb), yb, reduction="none") * wb).mean()
+
+        step = nn.value_and_grad(self.head, loss_fn)
+        loss = mx.array(0.0)
+        for _ in range(steps):
+            idx = rng.integers(0, len(y), min(batch, len(y)))
+            loss, grads = step(self.head, mx.array(x[idx]), mx.array(y[idx]), mx.array(w[idx]))
+            self.opt.update(self.head, grads)
+            mx.eval(self.head.parameters(), self.opt.state, loss)
+        return loss.item()
