@@ -29,10 +29,10 @@ TASKS = ("math", "code")
 OUT = Path(__file__).parent / "results" / "adaptation"
 
 
-def profile_path() -> Path:
+def profile_path(args) -> Path:
     from omnidraft_mlx.models.pull import model_home
 
-    return model_home() / "bench" / "adaptation-profile"
+    return Path(args.profile) if args.profile else model_home() / "bench" / "adaptation-profile"
 
 
 def heldout(n: int) -> list:
@@ -76,7 +76,7 @@ def phase_before(args) -> None:
     from omnidraft_mlx.ngram import NGramCache
     from omnidraft_mlx.pair import make_pair
 
-    pair = make_pair(*load(DRAFT), *load(TARGET))
+    pair = make_pair(*load(args.draft), *load(args.target))
     empty = NGramCache()
     conds = {"plain": (pair, empty, None), "none-text": (pair, empty, "text"), "none-tokens": (pair, empty, "tokens")}
     _warm(pair)
@@ -89,11 +89,11 @@ def phase_adapt(args) -> None:
     from omnidraft_mlx.speculative import SpecConfig
 
     cfg = DistillConfig(lam=args.lam, lr=args.lr, lora_rank=args.rank, steps=args.steps)
-    learner = open_learner(DRAFT, TARGET, (*load(DRAFT), *load(TARGET)), cfg, args.interval, path=profile_path(),
+    learner = open_learner(args.draft, args.target, (*load(args.draft), *load(args.target)), cfg, args.interval, path=profile_path(args),
                            note=print)
     learner.corpus = "adaptation-split:" + ",".join(TASKS)
     learner.position = learner.profile.position(learner.corpus)
-    log = OUT / "stream.json"
+    log = args.out / "stream.json"
     previous = json.loads(log.read_text())["records"] if log.exists() and learner.position else []
     start = time.monotonic()
 
@@ -114,8 +114,8 @@ def phase_after(args) -> None:
     from omnidraft_mlx.pair import make_pair
     from omnidraft_mlx.profile import load_profile
 
-    (dm, dt), (tm, tt), (am, at) = load(DRAFT), load(TARGET), load(DRAFT)
-    profile = load_profile(DRAFT, TARGET, am, path=profile_path())
+    (dm, dt), (tm, tt), (am, at) = load(args.draft), load(args.target), load(args.draft)
+    profile = load_profile(args.draft, args.target, am, path=profile_path(args))
     base, adapted = make_pair(dm, dt, tm, tt), make_pair(am, at, tm, tt)
     cache, empty = profile.ngrams, NGramCache()
     conds = {"plain": (base, empty, None), "cache-tokens": (base, cache, "tokens"),
@@ -140,7 +140,7 @@ def _save(path: Path, data: dict) -> None:
 
 
 def _write(phase: str, records: list, args) -> None:
-    _save(OUT / f"{phase}.json", {"records": records, "environment": environment_base(),
+    _save(args.out / f"{phase}.json", {"records": records, "environment": environment_base(),
                                   "settings": {"prompts_per_task": args.prompts, "max_tokens": args.tokens, "k": args.k}})
 
 
@@ -170,8 +170,8 @@ def phase_report(args) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    before, after = (json.loads((OUT / f"{p}.json").read_text()) for p in ("before", "after"))
-    stream_log = json.loads((OUT / "stream.json").read_text())
+    before, after = (json.loads((args.out / f"{p}.json").read_text()) for p in ("before", "after"))
+    stream_log = json.loads((args.out / "stream.json").read_text())
     results = {"before": summarize(before["records"]), "after": summarize(after["records"])}
     hist = stream_log["history"]
     cost = {
@@ -181,11 +181,11 @@ def phase_report(args) -> None:
         "peak_memory_gb": max((h["peak_memory_gb"] for h in hist), default=None),
     }
     recs = stream_log["records"]
-    summary = {"draft": DRAFT, "target": TARGET, "greedy": True, "heldout": results, "learning_cost": cost,
+    summary = {"draft": args.draft, "target": args.target, "greedy": True, "heldout": results, "learning_cost": cost,
                "adaptation": {"prompts_seen": len(recs), "wall_s": stream_log["wall_s"],
                               "settings": stream_log["settings"], "ngram_cache": recs[-1]["ngrams"] if recs else 0},
                "environment": after["environment"]}
-    _save(OUT / "adaptation.json", summary)
+    _save(args.out / "adaptation.json", summary)
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
     acc = np.array([r["acceptance"] for r in recs])
@@ -199,7 +199,7 @@ def phase_report(args) -> None:
         ax.axhline(res["all"]["acceptance"], linestyle=style, color="gray" if "before" in name else "green", label=name)
     ax.set_xlabel("prompts seen")
     ax.set_ylabel("acceptance (accepted / proposed target tokens)")
-    ax.set_title(f"{DRAFT} -> {TARGET}, greedy, text translation")
+    ax.set_title(f"{args.draft} -> {args.target}, greedy, text translation")
     ax.legend(fontsize=8)
     bars = [("none", "before", "none-text"), ("none\ntokens", "before", "none-tokens"),
             ("cache\ntokens", "after", "cache-tokens"), ("adapted\ntokens", "after", "adapted-tokens"),
@@ -211,7 +211,7 @@ def phase_report(args) -> None:
     bx.set_ylabel("held-out acceptance")
     bx.legend()
     fig.tight_layout()
-    fig.savefig(OUT / "acceptance.png", dpi=120)
+    fig.savefig(args.out / "acceptance.png", dpi=120)
     print(json.dumps({k: v for k, v in summary.items() if k != "environment"}, indent=1))
 
 
@@ -228,8 +228,12 @@ def main() -> None:
     ap.add_argument("--lam", type=float, default=0.2)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--draft", default=DRAFT)
+    ap.add_argument("--target", default=TARGET)
+    ap.add_argument("--profile", help="where the adaptation profile lives (default: OMNIDRAFT_HOME/bench/)")
+    ap.add_argument("--out", type=Path, default=OUT, help="results folder")
     args = ap.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     {"before": phase_before, "adapt": phase_adapt, "after": phase_after, "report": phase_report}[args.phase](args)
 
 

@@ -128,10 +128,13 @@ def distill_loss(model, x, direct_rows, target_logp, ngram_rows, ngram_tok, draf
     """(mean loss, summed reverse KL, summed n-gram NLL) over one batch."""
     h = model.model(x)
     h = h.reshape(-1, h.shape[-1])
-    logits = head_logits(model, h[direct_rows], draft_cols).astype(mx.float32)
-    logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    kl = (mx.exp(logq) * (logq - target_logp)).sum()  # reverse KL, by hand
-    nll = nn.losses.cross_entropy(head_logits(model, h[ngram_rows]).astype(mx.float32), ngram_tok).sum()
+    kl = nll = mx.array(0.0)
+    if direct_rows.size:
+        logits = head_logits(model, h[direct_rows], draft_cols).astype(mx.float32)
+        logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        kl = (mx.exp(logq) * (logq - target_logp)).sum()  # reverse KL, by hand
+    if ngram_rows.size:
+        nll = nn.losses.cross_entropy(head_logits(model, h[ngram_rows]).astype(mx.float32), ngram_tok).sum()
     count = max(1, direct_rows.size + ngram_rows.size)
     return (kl + lam * nll) / count, kl, nll
 
