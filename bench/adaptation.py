@@ -199,9 +199,9 @@ def phase_report(args) -> None:
         ax.axhline(res["all"]["acceptance"], linestyle=style, color="gray" if "before" in name else "green", label=name)
     ax.set_xlabel("prompts seen")
     ax.set_ylabel("acceptance (accepted / proposed target tokens)")
-    ax.set_title(f"{args.draft} -> {args.target}, greedy, text translation")
+    ax.set_title(f"{Path(args.draft).name} -> {Path(args.target).name}, greedy, text translation")
     ax.legend(fontsize=8)
-    bars = [("none", "before", "none-text"), ("none\ntokens", "before", "none-tokens"),
+    bars = [("none\ntext", "before", "none-text"), ("none\ntokens", "before", "none-tokens"),
             ("cache\ntokens", "after", "cache-tokens"), ("adapted\ntokens", "after", "adapted-tokens"),
             ("adapted\ntext", "after", "adapted-text")]
     for i, task in enumerate(TASKS):

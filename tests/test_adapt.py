@@ -121,6 +121,17 @@ def test_loss_matches_numpy(cross):
     assert kl.item() > 0  # the two tiny models disagree: the reverse KL is not trivially zero
 
 
+def test_step_without_ngram_positions(tiny_dirs, tiny):
+    dm, dt = load(str(tiny_dirs["draft"]))
+    tm, tt = tiny["target"]
+    setup_trainable(dm, DistillConfig(lora_rank=4))
+    pair = make_pair(dm, dt, tm, tt)
+    ex = make_example(pair, [1], [1], list(tt.encode("    return x + 7\n", add_special_tokens=False)))
+    assert len(ex.direct_draft) and not len(ex.ngram_pos)
+    stats = Distiller(pair, DistillConfig(lora_rank=4)).step([ex])
+    assert stats.ngram == 0 and stats.nll == 0 and np.isfinite(stats.loss) and stats.kl > 0
+
+
 @pytest.mark.parametrize("rank", [8, 0])
 def test_training_lowers_loss_and_raises_acceptance(tiny_dirs, tiny, rank):
     dm, dt = load(str(tiny_dirs["draft"]))  # a private copy: training changes it
