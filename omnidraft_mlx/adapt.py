@@ -108,13 +108,16 @@ def task_corpus(task: str, split: str = "adapt") -> list[Sample]:
 class UpdateReport:
     update: int  # updates in the profile so far
     examples: int
+    batch: int
     steps: list[StepStats] = field(default_factory=list)
     seconds: float = 0.0
     save_s: float = 0.0
 
     @property
     def loss(self) -> float:
-        return self.steps[-1].loss if self.steps else float("nan")
+        """Mean loss of the first pass: on replies the drafter had not been trained on yet."""
+        first = self.steps[: -(-self.examples // self.batch)]
+        return sum(s.loss for s in first) / len(first) if first else float("nan")
 
     @property
     def tokens_per_s(self) -> float:
@@ -169,7 +172,7 @@ class OnlineLearner:
         start = time.perf_counter()
         steps = self.distiller.update(self.buffer)
         self.updates += 1
-        report = UpdateReport(self.updates, len(self.buffer), steps)
+        report = UpdateReport(self.updates, len(self.buffer), self.cfg.batch, steps)
         report.seconds = time.perf_counter() - start
         self.buffer = []
         if self.profile is not None:
