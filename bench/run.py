@@ -33,7 +33,7 @@ from omnidraft_mlx.bench.tasks import Prompt, load_task
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, prefill, speculative_generate
+from omnidraft_mlx.speculative import SpecConfig, SpecStats, output_head, prefill, speculative_generate
 
 WARMUP_PROMPT = "Say hello."
 WARMUP_TOKENS = 4
@@ -162,7 +162,8 @@ def first_mismatch(pair, target_ids: list[int], reference: list[int], output: li
             return None
         pos = min(len(reference), len(output))
     cache = make_prompt_cache(pair.target)
-    logits = prefill(pair.target, cache, target_ids + reference[:pos]).astype(mx.float32)
+    hidden = prefill(pair.target, cache, target_ids + reference[:pos])
+    logits = output_head(pair.target)(hidden).astype(mx.float32)
     top2 = mx.topk(logits, 2).tolist()
     return {
         "position": pos,
