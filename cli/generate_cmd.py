@@ -10,6 +10,7 @@ import typer
 from rich.text import Text
 
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.policy import POLICIES, DraftPolicy, PolicyConfig
 from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
@@ -60,6 +61,9 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     translation: str = typer.Option("text", "--translation", help="Greedy draft translation: text or tokens."),
     sampling: str = typer.Option("exact", "--sampling", help="Sampling mode: exact (lossless) or omnidraft (+n-grams)."),
+    policy: str = typer.Option("fixed", "--policy", help="Draft length: fixed, confidence, heuristic or learned."),
+    gamma: float = typer.Option(0.5, "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this."),
+    max_k: int = typer.Option(8, "--max-k", help="Adaptive policies: most draft tokens per round."),
     show_draft: bool = typer.Option(False, "--show-draft", help="Colour the tokens that came from the drafter."),
     no_profile: bool = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the generated text."),
@@ -79,6 +83,8 @@ def generate(
         raise OmniDraftError(f"unknown --sampling '{sampling}': use exact or omnidraft")
     if max_tokens < 1:
         raise OmniDraftError("--max-tokens must be at least 1")
+    if policy not in POLICIES:
+        raise OmniDraftError(f"unknown --policy '{policy}': use one of {', '.join(POLICIES)}")
     if not quiet:
         warn_if_slow_blas(err_console)
     messages = user_messages(prompt, system)
@@ -110,13 +116,18 @@ def generate(
         cfg = SpecConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed,
                          translation=translation, sampling=sampling)
         stats = SpecStats()
+        draft_policy = DraftPolicy(PolicyConfig(name=policy, k=k, max_k=max_k, gamma=gamma))
+        head_path = profile.path / "accept_head.npz" if profile is not None else None
+        if head_path is not None:
+            draft_policy.load(head_path)
         try:
-            for new, drafted in speculative_generate(pair, draft_ids, target_ids, cfg, stats):
+            for new, drafted in speculative_generate(pair, draft_ids, target_ids, cfg, stats, draft_policy):
                 printer.add(new, drafted)
         finally:
             printer.finish()
             if profile is not None:
                 profile.save_ngrams()
+                draft_policy.save(head_path)
         if not quiet:
             err_console.print(
                 f"[dim]{stats.emitted} tokens, {stats.tokens_per_s:.2f} tok/s | acceptance "

@@ -15,12 +15,17 @@ early wastes a chance to emit several tokens per target forward. Policies:
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from omnidraft_mlx.atomic import atomic_write_bytes
 
 POLICIES = ("fixed", "confidence", "heuristic", "learned")
 
@@ -134,3 +139,27 @@ class DraftPolicy:
             self.opt.update(self.head, grads)
             mx.eval(self.head.parameters(), self.opt.state, loss)
         return loss.item()
+
+    def save(self, path: str | Path) -> None:
+        """The learned head and its replay buffer, atomically (float16 features keep it small)."""
+        if self.head is None:
+            return
+        arrays = {f"head.{k}": np.array(v) for k, v in tree_flatten(self.head.parameters())}
+        arrays["features"] = np.stack(self.features).astype(np.float16)
+        arrays["labels"] = np.array(self.labels, dtype=np.float32)
+        arrays["rounds"] = np.array(self.rounds)
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        atomic_write_bytes(path, buf.getvalue())
+
+    def load(self, path: str | Path) -> None:
+        """Continue from a saved head (a missing file leaves the policy untrained)."""
+        if not Path(path).exists():
+            return
+        with np.load(path) as data:
+            self.features = list(data["features"].astype(np.float32))
+            self.labels = data["labels"].tolist()
+            self.rounds = int(data["rounds"])
+            weights = [(k[5:], mx.array(data[k])) for k in data.files if k.startswith("head.")]
+        self.head = AcceptanceHead(self.features[0].shape[0])
+        self.head.update(tree_unflatten(weights))

@@ -80,3 +80,16 @@ def test_labels_follow_the_text(cross):
     assert drafted_and_kept(vmap, drafted, enc_t("return x + 1\n")) == [True] * len(drafted)
     labels = drafted_and_kept(vmap, drafted, enc_t("return y"))
     assert labels[0] is True and labels[-1] is False
+
+
+def test_learned_policy_saves_and_resumes(cross, tmp_path):
+    policy = DraftPolicy(PolicyConfig(name="learned", k=4, warmup=50))
+    run(cross, policy, PROMPTS[:4])
+    policy.save(tmp_path / "head.npz")
+    resumed = DraftPolicy(PolicyConfig(name="learned", k=4, warmup=50))
+    resumed.load(tmp_path / "head.npz")
+    assert resumed.ready and resumed.labels == policy.labels and resumed.rounds == policy.rounds
+    import mlx.core as mx
+
+    x = mx.array(np.stack(policy.features[:8]))
+    assert np.allclose(np.array(resumed.head(x)), np.array(policy.head(x)), atol=1e-5)
