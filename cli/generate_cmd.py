@@ -11,26 +11,23 @@ from rich.text import Text
 
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.policy import POLICIES, DraftPolicy, PolicyConfig
+from omnidraft_mlx.textstream import TextStream
 from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
 class Printer:
     """Streams target tokens as text; drafted ones optionally coloured."""
 
-    def __init__(self, tokenizer, console, show_draft: bool, quiet: bool):
-        self.detok, self.console = tokenizer.detokenizer, console
+    def __init__(self, target_bytes: list[bytes | None], console, show_draft: bool, quiet: bool):
+        self.stream, self.console = TextStream(target_bytes), console
         self.show_draft, self.quiet = show_draft, quiet
-        self.detok.reset()
 
     def add(self, tokens: list[int], drafted: list[bool]) -> None:
         for t, d in zip(tokens, drafted):
-            self.detok.add_token(t)
-            self._write(self.detok.last_segment, d)
+            self._write(self.stream.add(t), d)
 
     def finish(self) -> None:
-        self.detok.finalize()
-        self._write(self.detok.last_segment, False)
-        self._write("\n", False)
+        self._write(self.stream.finish() + "\n", False)
 
     def _write(self, text: str, drafted: bool) -> None:
         if self.quiet or not self.show_draft:
@@ -97,8 +94,6 @@ def generate(
             f"prompt ({len(target_ids)} tokens) + --max-tokens {max_tokens} exceed {target_name}'s "
             "context: shorten the prompt or lower --max-tokens"
         )
-    printer = Printer(target_tok, console, show_draft, quiet)
-
     speculate = model is None
     if speculate:
         from omnidraft_mlx.pair import make_pair
@@ -116,6 +111,7 @@ def generate(
         cfg = SpecConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed,
                          translation=translation, sampling=sampling)
         stats = SpecStats()
+        printer = Printer(pair.vmap.target_bytes, console, show_draft, quiet)
         draft_policy = DraftPolicy(PolicyConfig(name=policy, k=k, max_k=max_k, gamma=gamma))
         head_path = profile.path / "accept_head.npz" if profile is not None else None
         if head_path is not None:
@@ -137,7 +133,11 @@ def generate(
                 f"verify {stats.verify_s:.1f}s other {stats.other_s:.2f}s[/]"
             )
     else:
+        from omnidraft_mlx.pair import vocab_size
+        from omnidraft_mlx.vocab import token_bytes
+
         stats = PlainStats()
+        printer = Printer(token_bytes(target_tok, vocab_size(target_model)), console, show_draft, quiet)
         try:
             for t in plain_generate(target_model, target_tok, target_ids, stats, temp, top_p, max_tokens, seed):
                 printer.add([t], [False])
