@@ -72,35 +72,39 @@ def chat(
     context: Optional[int] = typer.Option(None, "--context", help="Most tokens of conversation sent to the models "
                                           "(default: the models' limit); older turns are trimmed."),
     show_draft: bool = typer.Option(False, "--show-draft", help="Colour the tokens that came from the drafter."),
-    adapt: bool = typer.Option(True, "--adapt/--no-adapt", help="Learn from the replies (switch with /adapt)."),
+    adapt: bool = typer.Option(True, "--adapt/--no-adapt", help="Update the drafter from the replies (pause with /adapt off)."),
+    adapt_every: int = typer.Option(4, "--adapt-every", help="Replies gathered per drafter update."),
     no_profile: bool = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile."),
 ) -> None:
     """Chat with TARGET, DRAFT speculating; the pair learns from the conversation."""
     from omnidraft_mlx.blas import warn_if_slow_blas
-    from omnidraft_mlx.chat import ChatConfig, ChatSession, Conversation, stats_line
+    from omnidraft_mlx.chat import ChatConfig, ChatSession, Conversation, make_learner
     from omnidraft_mlx.cli.main import console, err_console
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.profile import load_ngrams, save_ngrams
+    from omnidraft_mlx.profile import load_profile
 
-    if max_tokens < 1 or k < 1:
-        raise OmniDraftError("--max-tokens and --k must be at least 1")
+    if max_tokens < 1 or k < 1 or adapt_every < 1:
+        raise OmniDraftError("--max-tokens, --k and --adapt-every must be at least 1")
     if context is not None and context < 64:
         raise OmniDraftError("--context must be at least 64 tokens")
     warn_if_slow_blas(err_console)
     with console.status(f"loading {draft} and {target}"):
         draft_model, draft_tok = load_model(draft)
         target_model, target_tok = load_model(target)
-        pair = make_pair(draft_model, draft_tok, target_model, target_tok,
-                         None if no_profile else load_ngrams(draft, target))
-    on_save = None if no_profile else (lambda: save_ngrams(draft, target, pair.ngrams))
+        # The profile's adapter goes into the drafter: fused, or trainable when learning goes on.
+        profile = None if no_profile else load_profile(draft, target, draft_model, trainable=adapt)
+        pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile.ngrams if profile else None)
+        learner = make_learner(pair, profile, adapt_every) if adapt else None
     cfg = ChatConfig(k, temp, top_p, max_tokens, seed, context, adapt)
-    session = ChatSession(pair, cfg, Conversation(system), learner=None, on_save=on_save)
+    on_save = profile.save_ngrams if profile else None
+    session = ChatSession(pair, cfg, Conversation(system), learner, on_save)
     with console.status("timing the target's plain decoding step (for the speedup estimate)"):
         session.measure_plain_speed()
     console.print(
         f"[bold]{draft}[/] drafting for [bold]{target}[/] | vocabulary intersection {pair.vmap.size}"
-        f" | n-gram cache {len(pair.ngrams)} | plain target {1 / session.plain_step_s:.1f} tok/s\n"
+        f" | n-gram cache {len(pair.ngrams)} | drafter updates {profile.updates if profile else 0}"
+        f" | plain target {1 / session.plain_step_s:.1f} tok/s\n"
         "[dim]/help for commands, Ctrl-C stops a reply, Ctrl-D or /quit leaves[/]"
     )
     history = _setup_history() if sys.stdin.isatty() else None
@@ -123,7 +127,7 @@ def chat(
                     if quit_:
                         break
                 elif text.strip():
-                    _reply(session, text, colour, console, stats_line)
+                    _reply(session, text, colour, console)
             except OmniDraftError as e:
                 err_console.print(f"[bold red]error:[/] {e}")
     finally:
@@ -133,7 +137,9 @@ def chat(
             _save_history(history)
 
 
-def _reply(session, text: str, colour: bool, console, stats_line) -> None:
+def _reply(session, text: str, colour: bool, console) -> None:
+    from omnidraft_mlx.chat import stats_line
+
     reply = session.start(text)
     for note in reply.notes:
         console.print(f"[yellow]({note})[/]")
@@ -151,10 +157,13 @@ def _reply(session, text: str, colour: bool, console, stats_line) -> None:
     if note:
         console.print(f"[yellow]({note})[/]")
     console.print(f"[dim]{stats_line(reply.stats, session.plain_step_s)}[/]")
-    if session.learner is not None and session.cfg.adapt:
-        with console.status("updating the drafter on this conversation (Ctrl-C skips)"):
+    if session.update_due:
+        with console.status(f"updating the drafter on the last {session.learner.interval} replies "
+                            "(Ctrl-C postpones it)"):
             try:
-                if session.adapt():
-                    console.print("[dim](drafter updated and saved to the profile)[/]")
+                report = session.adapt()
             except KeyboardInterrupt:
-                console.print("[dim](drafter update skipped)[/]")
+                report = None
+        saved = ", saved to the profile" if session.learner.profile else ""
+        console.print(f"[dim](drafter update {report.update}: loss {report.loss:.3f}, {report.seconds:.1f}s{saved})[/]"
+                      if report else "[dim](drafter update postponed to the next reply)[/]")

@@ -8,7 +8,6 @@ caches are not kept across turns). The terminal UI lives in cli/chat_cmd.py.
 
 from __future__ import annotations
 
-import codecs
 import json
 import statistics
 import time
@@ -20,6 +19,7 @@ from omnidraft_mlx.atomic import atomic_write_text
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair, context_length
 from omnidraft_mlx.prompts import encode_prompt
+from omnidraft_mlx.textstream import TextStream
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
 
 ROLES = ("system", "user", "assistant")
@@ -30,7 +30,7 @@ commands:
   /reset           start a new conversation (keeps the system prompt)
   /save FILE       save the conversation as JSON
   /load FILE       load a conversation saved with /save (or a JSON list of messages)
-  /adapt on|off    learn from the replies (online drafter updates) or not
+  /adapt on|off    update the drafter from the replies, or pause that
   /quit            leave (also Ctrl-D)
 input: end a line with \\ to continue on the next one, or put \"\"\" alone on a line
 to start and end a multi-line block. Ctrl-C stops a reply and keeps the conversation."""
@@ -44,7 +44,7 @@ class ChatConfig:
     max_tokens: int = 512
     seed: int = 0
     context: int | None = None  # cap on prompt + reply tokens; default the models' limit
-    adapt: bool = True
+    adapt: bool = True  # drafter updates from the replies (when a learner is attached)
 
 
 @dataclass
@@ -53,10 +53,16 @@ class Conversation:
     turns: list[dict] = field(default_factory=list)  # user/assistant messages, oldest first
     first: int = 0  # turns before this one were trimmed: no longer sent to the models
 
+    def _head(self) -> list[dict]:
+        return [{"role": "system", "content": self.system}] if self.system else []
+
     def sent(self) -> list[dict]:
         """The messages the models see."""
-        head = [{"role": "system", "content": self.system}] if self.system else []
-        return head + self.turns[self.first :]
+        return self._head() + self.turns[self.first :]
+
+    def latest(self) -> list[dict]:
+        """The system prompt and the newest message."""
+        return self._head() + self.turns[-1:]
 
     def drop_oldest_exchange(self) -> int:
         """Stop sending the oldest user message and the replies after it; how many went."""
@@ -72,8 +78,7 @@ class Conversation:
         return json.dumps({"messages": self.all_messages()}, indent=2, ensure_ascii=False)
 
     def all_messages(self) -> list[dict]:
-        head = [{"role": "system", "content": self.system}] if self.system else []
-        return head + self.turns
+        return self._head() + self.turns
 
     def save(self, path: str | Path) -> None:
         atomic_write_text(Path(path).expanduser(), self.to_json() + "\n")
@@ -99,21 +104,6 @@ class Conversation:
             )
         system = "\n\n".join(m["content"] for m in messages if m["role"] == "system") or None
         return cls(system, [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "system"])
-
-
-class TextStream:
-    """Target ids -> text, from the tokens' own bytes: a piece that ends inside
-    a UTF-8 character waits for the rest, and no leading space is lost."""
-
-    def __init__(self, target_bytes: list[bytes | None]):
-        self.target_bytes = target_bytes
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def add(self, token: int) -> str:
-        return self.decoder.decode(self.target_bytes[token] or b"")
-
-    def finish(self) -> str:
-        return self.decoder.decode(b"", final=True)
 
 
 def plain_step_seconds(model, prompt_ids: list[int], steps: int = 4) -> float:
@@ -164,6 +154,20 @@ class Reply:
     stats: SpecStats = field(default_factory=SpecStats)
     ids: list[int] = field(default_factory=list)  # target ids generated so far
     text: str = ""
+
+
+def make_learner(pair: Pair, profile, interval: int):
+    """An online learner of the drafter, which it makes trainable (unless the
+    profile's adapter already did); updates are saved into the profile."""
+    from omnidraft_mlx.adapt import OnlineLearner
+    from omnidraft_mlx.distill import DistillConfig, setup_trainable
+
+    if profile is not None and profile.distill:
+        cfg = DistillConfig.from_dict(profile.distill)
+    else:
+        cfg = DistillConfig()
+        setup_trainable(pair.draft, cfg)
+    return OnlineLearner(pair, cfg, interval, profile)
 
 
 class ChatSession:
@@ -232,11 +236,13 @@ class ChatSession:
 
     def finish(self, reply: Reply) -> str | None:
         """Commit a (possibly interrupted) reply; a note on why it stopped early, if it did."""
+        if self.learner is not None and self.cfg.adapt:
+            # Verified tokens count, interrupted or not. The learner sees the last
+            # message only: training sequences stay short and keep the reply in them.
+            self.learner.observe(self.conv.latest(), reply.ids)
         self.conv.turns.append({"role": "assistant", "content": reply.text})
         self.replies += 1
         add_stats(self.totals, reply.stats)
-        if self.learner is not None and self.cfg.adapt and reply.ids:
-            self.learner.observe(self.conv.sent(), reply.ids)
         if self.on_save:
             self.on_save()
         if len(reply.ids) >= reply.max_tokens:
@@ -244,13 +250,25 @@ class ChatSession:
                 f"stopped at --max-tokens {self.cfg.max_tokens}")
         return None
 
-    def adapt(self) -> bool:
-        """Update the drafter if enough replies have gathered (between turns)."""
-        if self.learner is None or not self.cfg.adapt or not self.learner.maybe_update():
-            return False
-        if self.on_save:
-            self.on_save()
-        return True
+    @property
+    def update_due(self) -> bool:
+        """Whether enough replies have gathered for a drafter update."""
+        return (self.learner is not None and self.cfg.adapt
+                and len(self.learner.buffer) >= self.learner.interval)
+
+    def adapt(self):
+        """Update the drafter on the gathered replies (between turns); the learner
+        saves the profile. The update's report, or None when none was due."""
+        if not self.update_due:
+            return None
+        try:
+            return self.learner.update()
+        except OmniDraftError:
+            raise
+        except Exception as e:  # a failed update must not end the conversation
+            self.cfg.adapt = False
+            raise OmniDraftError(f"the drafter update failed ({type(e).__name__}: {e}); drafter learning "
+                                 "is paused (/adapt on tries again)") from e
 
     def reset(self) -> None:
         self.conv = Conversation(self.conv.system)
@@ -271,9 +289,13 @@ class ChatSession:
                      f"this session, {t.ngram_hits} hits) | vocabulary intersection {self.pair.vmap.size}")
         lines.append(f"conversation {len(self.conv.turns)} messages, {len(self.conv.turns) - self.conv.first} sent, "
                      f"{used} target tokens" + (f" of {self.limit}" if self.limit else ""))
-        learning = "off" if not self.cfg.adapt else ("on" if self.learner is not None else "n-gram cache only")
-        lines.append(f"adaptation {learning}" + (f": {self.learner.describe()}" if self.learner is not None
-                                                  and hasattr(self.learner, "describe") else ""))
+        if self.learner is None:
+            lines.append("drafter learning off (the n-gram cache still learns)")
+        else:
+            lr = self.learner
+            lines.append(f"drafter learning {'on' if self.cfg.adapt else 'paused'}: {lr.updates} updates in the "
+                         f"profile, {len(lr.buffer)}/{lr.interval} replies gathered for the next"
+                         + (f", last loss {lr.last.loss:.3f}" if lr.last else ""))
         return "\n".join(lines)
 
     def command(self, line: str) -> tuple[str, bool]:
@@ -302,8 +324,8 @@ class ChatSession:
         if name == "/adapt":
             if arg not in ("on", "off"):
                 raise OmniDraftError("use /adapt on or /adapt off")
+            if self.learner is None:
+                raise OmniDraftError("drafter learning is off for this session (started with --no-adapt)")
             self.cfg.adapt = arg == "on"
-            if self.learner is None and self.cfg.adapt:
-                return "adaptation on (only the n-gram cache learns: no drafter learner available)", False
-            return f"adaptation {arg}", False
+            return f"drafter learning {arg}", False
         raise OmniDraftError(f"unknown command {name}: /help lists them")

@@ -79,7 +79,7 @@ def test_conversation_and_commands(tiny, tiny_dirs, tmp_path):
     assert "error: no such file" in command(chat, f"/load {tmp_path / 'missing.json'}")
     assert "unknown command /frobnicate" in command(chat, "/frobnicate")
     assert "/adapt on|off" in command(chat, "/help")
-    assert "adaptation off" in command(chat, "/adapt off")
+    assert "drafter learning off" in command(chat, "/adapt off")
     chat.sendline("/quit")
     chat.expect(pexpect.EOF)
     chat.close()
@@ -140,6 +140,29 @@ def test_multiline_input_and_trimming(tiny_dirs, tmp_path):
     assert total == 12 and sent < total
     chat.sendline("/quit")
     chat.expect(pexpect.EOF)
+
+
+def test_drafter_learns_between_turns_and_next_session_starts_with_it(tiny_dirs, tmp_path):
+    home = tmp_path / "home"
+    chat = spawn(tiny_dirs, home, "--max-tokens", "12", "--adapt-every", "1")
+    chat.sendline("def add_3(x):")
+    chat.expect(FOOTER)
+    chat.expect(r"drafter update 1: loss [\d.]+")
+    chat.expect(PROMPT)
+    assert "paused" not in command(chat, "/stats")
+    assert "drafter learning off" in command(chat, "/adapt off")
+    say(chat, "print(add_")
+    stats = command(chat, "/stats")
+    assert "drafter learning paused: 1 updates in the profile, 0/1 replies gathered" in stats
+    chat.sendeof()
+    chat.expect(pexpect.EOF)
+    manifest = json.loads(next((home / "profiles").glob("*/manifest.json")).read_text())
+    assert manifest["updates"] == 1
+    again = spawn(tiny_dirs, home, "--no-adapt")
+    assert "drafter updates 1" in clean(again.before)
+    assert "started with --no-adapt" in command(again, "/adapt on")
+    again.sendeof()
+    again.expect(pexpect.EOF)
 
 
 def test_too_long_message_is_refused_not_fatal(tiny_dirs, tmp_path):
