@@ -73,12 +73,17 @@ def main(out: str, samples: int = 3000, length: int = 3, temp: float = 1.0, top_
     from mlx_lm import load
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from tiny_models import TEXT, build_tiny_models  # the test suite's tiny trained pair
+    from tiny_models import TEXT, build_tiny_models, corpus, train_tokenizer, write_model
 
     from omnidraft_mlx.pair import make_pair
 
-    dirs = build_tiny_models(Path(tempfile.mkdtemp()))
-    (dm, dt), (tm, tt) = load(str(dirs["draft"])), load(str(dirs["target"]))
+    root = Path(tempfile.mkdtemp())
+    dirs = build_tiny_models(root)  # the test suite's tiny trained pair
+    # A drafter with a near-byte-level vocabulary, so that many target tokens
+    # are spelled by several draft tokens and the n-gram cache matters.
+    fine = write_model(root / "fine-draft", train_tokenizer(corpus("draft"), 290), 48, 2, seed=5,
+                       train_text=TEXT, train_steps=300)
+    (dm, dt), (tm, tt) = load(str(fine)), load(str(dirs["target"]))
     pair = make_pair(dm, dt, tm, tt)
     # Fill the n-gram cache as use would: verified text teaches the merges.
     pair.learn_ngrams(list(tt.encode(TEXT, add_special_tokens=False)))
