@@ -280,7 +280,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     prompts = select_prompts(cfg)
     pair = load_pair(cfg)
     methods = methods_for(cfg, pair.vmap.same_vocab)
-    ngrams_at_start = len(pair.ngrams)
+    ngrams_at_start, env = len(pair.ngrams), environment(cfg)
 
     warm = Prompt("warmup", "chat", WARMUP_PROMPT)
     for method in methods:  # first calls allocate; keep them out of the numbers
@@ -319,6 +319,6 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         "config": {**asdict(cfg), "methods": [asdict(m) for m in methods],
                    "prompt_ids": [p.id for p in prompts], "vocab_intersection": pair.vmap.size,
                    "same_vocab": pair.vmap.same_vocab, "ngram_cache_at_start": ngrams_at_start},
-        "environment": environment(cfg),
+        "environment": env,
         "records": records,
     }
