@@ -3,8 +3,9 @@
 Every method decodes every prompt; methods run interleaved prompt by prompt in
 a rotating order, so drift of the machine (heat, other load) hits all of them
 alike. Models load once; one Pair serves the whole run, so its n-gram cache
-grows over the run as it would in use (its size is recorded per record), but
-nothing is saved to the pair's profile.
+grows over the run as it would in use (its size is recorded per record). The
+pair's profile (drafter adapter, n-gram cache) is loaded unless disabled, and
+nothing is ever saved to it, so runs stay reproducible.
 
 Methods:
 - `plain`: the target alone (mlx-lm's generate_step), the baseline of every speedup;
@@ -49,7 +50,7 @@ class BenchConfig:
     prompts: int = 6  # held-out prompts per task
     max_tokens: int = 96
     shortest: bool = False  # pick the shortest held-out prompts (--quick)
-    use_profile: bool = True  # start from the pair's saved n-gram cache
+    use_profile: bool = True  # load the pair's saved profile (adapter, n-gram cache)
     mlx_lm: bool = True  # add mlx-lm's speculative decoding where the vocabularies match
     time_limit_s: float | None = None  # start no new prompt after this long (whole prompts only)
 
@@ -252,15 +253,21 @@ def environment(cfg: BenchConfig) -> dict:
 
 
 def load_pair(cfg: BenchConfig):
-    """Both models, once, with the pair's saved n-gram cache unless told to ignore it."""
+    """Both models, once, with the pair's saved profile (adapter, n-gram cache) unless told
+    to ignore it; the second value describes what the profile brought (None: ignored)."""
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.profile import load_ngrams
+    from omnidraft_mlx.profile import load_profile
 
     draft, draft_tok = load_model(cfg.draft)
     target, target_tok = load_model(cfg.target)
-    ngrams = load_ngrams(cfg.draft, cfg.target) if cfg.use_profile else None
-    return make_pair(draft, draft_tok, target, target_tok, ngrams)
+    profile = load_profile(cfg.draft, cfg.target, draft) if cfg.use_profile else None
+    pair = make_pair(draft, draft_tok, target, target_tok, profile and profile.ngrams)
+    used = None if profile is None else {
+        "path": str(profile.path), "adapter": bool(profile.distill), "updates": profile.updates,
+        "ngrams": len(profile.ngrams),
+    }
+    return pair, used
 
 
 def check_config(cfg: BenchConfig) -> None:
@@ -278,7 +285,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     """Decode every selected prompt with every method; the records and the environment."""
     check_config(cfg)
     prompts = select_prompts(cfg)
-    pair = load_pair(cfg)
+    pair, profile = load_pair(cfg)
     methods = methods_for(cfg, pair.vmap.same_vocab)
     ngrams_at_start, env = len(pair.ngrams), environment(cfg)
 
@@ -318,7 +325,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     return {
         "config": {**asdict(cfg), "methods": [asdict(m) for m in methods],
                    "prompt_ids": [p.id for p in prompts], "vocab_intersection": pair.vmap.size,
-                   "same_vocab": pair.vmap.same_vocab, "ngram_cache_at_start": ngrams_at_start},
+                   "same_vocab": pair.vmap.same_vocab, "ngram_cache_at_start": ngrams_at_start,
+                   "profile": profile},
         "environment": env,
         "records": records,
     }

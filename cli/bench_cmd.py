@@ -44,7 +44,7 @@ def bench(
     prompts: Optional[int] = typer.Option(None, "--prompts", help="Held-out prompts per task (default 6; --quick: 1)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Tokens per generation (default 96; --quick: 32)."),
     quick: bool = typer.Option(False, "--quick", help="A few short prompts: a check in minutes, not a measurement."),
-    no_profile: bool = typer.Option(False, "--no-profile", help="Start from an empty n-gram cache, not the pair's profile."),
+    no_profile: bool = typer.Option(False, "--no-profile", help="Ignore the pair's profile (adapter, n-gram cache): start from the bare drafter."),
     time_limit: Optional[float] = typer.Option(
         None, "--time-limit", help="Minutes after which no new prompt starts (the report keeps whole prompts)."),
     no_mlx_lm: bool = typer.Option(False, "--no-mlx-lm", help="Leave out mlx-lm's speculative decoding."),

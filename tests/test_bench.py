@@ -103,6 +103,7 @@ def test_bench_cross_vocab_end_to_end(tiny_dirs, home, tmp_path):
     assert len(result["config"]["prompt_ids"]) == 6
     assert [load_task(t, "heldout")[0].id for t in TASKS] == result["config"]["prompt_ids"][:3]
     assert result["config"]["ngram_cache_at_start"] == 1
+    assert result["config"]["profile"]["ngrams"] == 1 and not result["config"]["profile"]["adapter"]
     assert (profile_dir(draft, target) / "ngrams.json").read_bytes() == before
     # One pair for the run: its n-gram cache only grows, prompt after prompt.
     ours = [r for r in result["records"] if r["kind"] == "ours"]
@@ -119,6 +120,7 @@ def test_bench_same_vocab_runs_mlx_lm_beside_ours(tiny_dirs, home, tmp_path):
                "--k", "2,3", "--translation", "text,tokens", "--quick", "--no-profile", "--out", str(out))
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
+    assert result["config"]["profile"] is None  # --no-profile
     # Same vocabulary: no translation variants, and mlx-lm's speculative decoding beside ours.
     check_records(result, ["plain", "ours-k2", "ours-k3", "mlxlm-k2", "mlxlm-k3"])
     assert result["config"]["max_tokens"] == 32 and len(result["config"]["prompt_ids"]) == 1
