@@ -177,7 +177,7 @@ class ChatSession:
                  learner=None, on_save=None):
         self.pair, self.cfg = pair, cfg
         self.conv = conversation or Conversation()
-        self.learner = learner  # optional: observe(messages, reply_ids), maybe_update() -> bool
+        self.learner = learner  # optional: an adapt.OnlineLearner (make_learner)
         self.on_save = on_save  # persists what was learned (the profile); called after replies
         self.totals = SpecStats()
         self.replies = 0
