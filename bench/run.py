@@ -26,6 +26,7 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -33,6 +34,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from omnidraft_mlx.bench.tasks import Prompt, load_task
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.generate import PlainStats, plain_generate
+from omnidraft_mlx.policy import POLICIES, DraftPolicy, PolicyConfig
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, output_head, prefill, speculative_generate
 
@@ -53,6 +55,8 @@ class BenchConfig:
     use_profile: bool = True  # load the pair's saved profile (adapter, n-gram cache)
     mlx_lm: bool = True  # add mlx-lm's speculative decoding where the vocabularies match
     time_limit_s: float | None = None  # start no new prompt after this long (whole prompts only)
+    policies: list[str] = field(default_factory=list)  # adaptive draft-length policies to add
+    gamma: float = 0.5  # the learned policy's stopping threshold
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class Method:
     kind: str  # plain | ours | mlxlm
     k: int | None = None
     translation: str | None = None
+    policy: str = "fixed"
 
 
 def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
@@ -69,9 +74,23 @@ def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
         # A same-vocabulary pair needs no translation: one variant per k.
         for tr in cfg.translations[:1] if same_vocab else cfg.translations:
             methods.append(Method(f"ours-k{k}" + ("" if tr == "text" else f"-{tr}"), "ours", k, tr))
+    # Adaptive policies start from (and, untrained, behave like) the largest k.
+    methods += [Method(f"ours-{p}", "ours", max(cfg.ks), cfg.translations[0], p) for p in cfg.policies]
     if same_vocab and cfg.mlx_lm:
         methods += [Method(f"mlxlm-k{k}", "mlxlm", k) for k in cfg.ks]
     return methods
+
+
+def make_policies(cfg: BenchConfig, methods: list[Method], profile: dict | None) -> dict[str, DraftPolicy]:
+    """One policy per method for the whole run, so adaptive ones learn across prompts;
+    the learned head starts from the profile's (never saved back)."""
+    policies = {}
+    for m in methods:
+        if m.kind == "ours":
+            policies[m.name] = DraftPolicy(PolicyConfig(name=m.policy, k=m.k, gamma=cfg.gamma))
+            if m.policy == "learned" and profile is not None:
+                policies[m.name].load(Path(profile["path"]) / "accept_head.npz")
+    return policies
 
 
 def select_prompts(cfg: BenchConfig) -> list[Prompt]:
@@ -104,17 +123,17 @@ def _run_plain(pair, target_ids: list[int], max_tokens: int) -> dict:
     }
 
 
-def _run_ours(pair, draft_ids, target_ids, method: Method, max_tokens: int) -> dict:
+def _run_ours(pair, draft_ids, target_ids, method: Method, max_tokens: int, policy: DraftPolicy) -> dict:
     stats = SpecStats()
     cfg = SpecConfig(k=method.k, max_tokens=max_tokens, translation=method.translation)
-    out = [t for new, _ in speculative_generate(pair, draft_ids, target_ids, cfg, stats) for t in new]
+    out = [t for new, _ in speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy) for t in new]
     return {
         "output": out, "ttft_s": stats.prefill_s, "generate_s": stats.generate_s,
         "tokens_per_s": stats.tokens_per_s, "rounds": stats.rounds,
         "proposed": stats.proposed, "accepted": stats.accepted,
         "draft_s": stats.draft_s, "verify_s": stats.verify_s, "other_s": stats.other_s,
         "draft_forwards": stats.draft_forwards, "ngram_hits": stats.ngram_hits,
-        "round_ends": dict(stats.round_ends),
+        "round_ends": dict(stats.round_ends), "drafted": stats.drafted,
     }
 
 
@@ -174,7 +193,7 @@ def first_mismatch(pair, target_ids: list[int], reference: list[int], output: li
     }
 
 
-def run_one(pair, method: Method, prompt: Prompt, max_tokens: int) -> dict:
+def run_one(pair, method: Method, prompt: Prompt, max_tokens: int, policy: DraftPolicy | None = None) -> dict:
     messages = user_messages(prompt.text)
     target_ids = encode_prompt(pair.target_tok, messages)
     if method.kind == "plain":
@@ -183,11 +202,12 @@ def run_one(pair, method: Method, prompt: Prompt, max_tokens: int) -> dict:
         result = _run_mlxlm(pair, target_ids, method.k, max_tokens)
     else:
         draft_ids = encode_prompt(pair.draft_tok, messages)
-        result = _run_ours(pair, draft_ids, target_ids, method, max_tokens)
+        result = _run_ours(pair, draft_ids, target_ids, method, max_tokens, policy)
     tokens = len(result["output"])
     record = {
         "prompt_id": prompt.id, "task": prompt.task, "method": method.name, "kind": method.kind,
-        "k": method.k, "translation": method.translation, "prompt_tokens": len(target_ids),
+        "k": method.k, "translation": method.translation, "policy": method.policy,
+        "prompt_tokens": len(target_ids),
         "tokens": tokens, "proposed": None, "accepted": None, "draft_forwards": None,
         "ngram_hits": None, "round_ends": None, **result,
     }
@@ -277,6 +297,8 @@ def check_config(cfg: BenchConfig) -> None:
         raise OmniDraftError("--k needs draft lengths of at least 1, e.g. --k 3,4,5")
     if bad := [t for t in cfg.translations if t not in ("text", "tokens")]:
         raise OmniDraftError(f"unknown --translation '{bad[0]}': use text, tokens or text,tokens")
+    if bad := [p for p in cfg.policies if p not in POLICIES[1:]]:
+        raise OmniDraftError(f"unknown --policy '{bad[0]}': use confidence, heuristic or learned")
     if cfg.prompts < 1 or cfg.max_tokens < 1:
         raise OmniDraftError("--prompts and --max-tokens must be at least 1")
 
@@ -287,11 +309,12 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     prompts = select_prompts(cfg)
     pair, profile = load_pair(cfg)
     methods = methods_for(cfg, pair.vmap.same_vocab)
+    policies = make_policies(cfg, methods, profile)
     ngrams_at_start, env = len(pair.ngrams), environment(cfg)
 
     warm = Prompt("warmup", "chat", WARMUP_PROMPT)
     for method in methods:  # first calls allocate; keep them out of the numbers
-        run_one(pair, method, warm, WARMUP_TOKENS)
+        run_one(pair, method, warm, WARMUP_TOKENS, policies.get(method.name))
 
     task = progress.add_task("bench", total=len(prompts) * len(methods)) if progress else None
     records, start = [], time.perf_counter()
@@ -303,7 +326,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         for order, method in enumerate(rotated(methods, i)):
             if progress:
                 progress.update(task, description=f"{prompt.id} {method.name}")
-            record = run_one(pair, method, prompt, cfg.max_tokens)
+            record = run_one(pair, method, prompt, cfg.max_tokens, policies.get(method.name))
             record["order"] = order
             record["load_avg_1m"] = os.getloadavg()[0]  # other work on the machine, for drift
             done[method.name] = record

@@ -41,6 +41,8 @@ def bench(
     task: str = typer.Option("all", "--task", help="code, math, chat or all."),
     k: str = typer.Option("3,4,5", "--k", "-k", help="Draft lengths to compare, comma-separated."),
     translation: str = typer.Option("text", "--translation", help="Draft translation(s): text, tokens or text,tokens."),
+    policy: str = typer.Option("", "--policy", help="Adaptive draft-length policies to add: confidence,heuristic,learned."),
+    gamma: float = typer.Option(0.5, "--gamma", help="The learned policy's stopping threshold."),
     prompts: Optional[int] = typer.Option(None, "--prompts", help="Held-out prompts per task (default 6; --quick: 1)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Tokens per generation (default 96; --quick: 32)."),
     quick: bool = typer.Option(False, "--quick", help="A few short prompts: a check in minutes, not a measurement."),
@@ -93,6 +95,7 @@ def bench(
         max_tokens=max_tokens or (QUICK_TOKENS if quick else 96),
         shortest=quick, use_profile=not no_profile, mlx_lm=not no_mlx_lm,
         time_limit_s=None if time_limit is None else 60 * time_limit,
+        policies=[p.strip() for p in policy.split(",") if p.strip()], gamma=gamma,
     )
     out = out or Path("omnidraft-bench") / f"{_slug(draft)}__{_slug(target)}"
     with _progress() as progress:
