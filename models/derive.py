@@ -212,7 +212,8 @@ def select_layers(model, windows: np.ndarray, n: int, done: dict | None = None, 
     if not result["loss"]:
         result["loss"].append(_ce(_logits(model, _run(full, model.model.embed_tokens(x))), y).item())
     keep = [i for i in range(len(full)) if i not in result["order"]]
-    task = progress.add_task("select layers", total=sum(range(n + 1, len(keep) + 1))) if progress else None
+    # No bar when an earlier run already went deep enough.
+    task = progress.add_task("select layers", total=sum(range(n + 1, len(keep) + 1))) if progress and len(keep) > n else None
     while len(keep) > n:
         # Hidden states before each kept layer: a candidate only reruns what follows it.
         h, before = model.model.embed_tokens(x), []
@@ -224,7 +225,7 @@ def select_layers(model, windows: np.ndarray, n: int, done: dict | None = None, 
         for j in range(len(keep)):
             rest = [full[i] for i in keep[j + 1:]]
             losses.append(_ce(_logits(model, _run(rest, before[j])), y).item())
-            if progress:
+            if task is not None:
                 progress.update(task, advance=1, description=f"select layers: {len(keep)} -> {len(keep) - 1}")
         j = int(np.argmin(losses))
         result["order"].append(keep.pop(j))
