@@ -50,20 +50,24 @@ def export(out: str = typer.Argument(..., help="Archive to write (.tar.gz)."),
            draft: str = DRAFT, target: str = TARGET) -> None:
     """Write the pair's profile (manifest, adapter, optimizer state, n-grams) into one archive."""
     import io
+    import os
     import tarfile
 
     from omnidraft_mlx.atomic import atomic_write_bytes
     from omnidraft_mlx.cli.main import console
-    from omnidraft_mlx.profile import MANIFEST, NGRAMS, load_profile
+    from omnidraft_mlx.profile import load_profile
 
     profile = load_profile(draft, target)
     if not profile.path.exists():
         raise OmniDraftError(f"no profile for {draft} -> {target} to export")
-    names = [MANIFEST, NGRAMS, *profile.manifest.get("files", {}).values()]
+    # Everything the profile holds (files of other learners too, e.g. the acceptance head),
+    # but no temporary file of a save in progress and no superseded weights.
+    stale = {f for f in os.listdir(profile.path) if f.endswith(".safetensors")} - set(
+        profile.manifest.get("files", {}).values())
+    names = sorted(f for f in os.listdir(profile.path) if not f.startswith(".") and f not in stale)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for name in names:
-            if (profile.path / name).exists():
-                tar.add(profile.path / name, arcname=f"{profile.path.name}/{name}")
+            tar.add(profile.path / name, arcname=f"{profile.path.name}/{name}")
     atomic_write_bytes(out, buf.getvalue())
     console.print(f"wrote {out} ({len(buf.getvalue()) / 1e6:.1f} MB)")
