@@ -126,7 +126,6 @@ def plot(result: dict, path: Path) -> None:
     big = result["targets"][-1]
     ax.axvline(cost[big] / 10, color="red", ls="--", label=f"1/10 of {Path(big).name}")
     ax.set_xlabel("ms per single-token forward (200 cached)")
-    ax.set_xscale("log")
     ax.legend(fontsize=7)
     ax.set_title("cost per token", fontsize=9)
 
