@@ -119,8 +119,9 @@ def phase_after(args) -> None:
     base, adapted = make_pair(dm, dt, tm, tt), make_pair(am, at, tm, tt)
     cache, empty = profile.ngrams, NGramCache()
     conds = {"plain": (base, empty, None), "cache-tokens": (base, cache, "tokens"),
-             "adapted-text": (adapted, cache, "text"), "adapted-tokens": (adapted, cache, "tokens"),
-             "adapted-nocache-tokens": (adapted, empty, "tokens")}
+             "adapted-text": (adapted, cache, "text"), "adapted-tokens": (adapted, cache, "tokens")}
+    if args.ablation:  # the adapted drafter without the n-gram cache
+        conds["adapted-nocache-tokens"] = (adapted, empty, "tokens")
     _warm(base)
     _write("after", evaluate(conds, heldout(args.prompts), args.k, args.tokens), args)
 
@@ -228,6 +229,7 @@ def main() -> None:
     ap.add_argument("--lam", type=float, default=0.2)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--ablation", action="store_true", help="after: also the adapted drafter without n-gram cache")
     ap.add_argument("--draft", default=DRAFT)
     ap.add_argument("--target", default=TARGET)
     ap.add_argument("--profile", help="where the adaptation profile lives (default: OMNIDRAFT_HOME/bench/)")
