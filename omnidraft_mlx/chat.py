@@ -293,8 +293,8 @@ class ChatSession:
             lines.append("drafter learning off (the n-gram cache still learns)")
         else:
             lr = self.learner
-            lines.append(f"drafter learning {'on' if self.cfg.adapt else 'paused'}: {lr.updates} updates in the "
-                         f"profile, {len(lr.buffer)}/{lr.interval} replies gathered for the next"
+            lines.append(f"drafter learning {'on' if self.cfg.adapt else 'paused'}: {lr.updates} updates so far, "
+                         f"{len(lr.buffer)}/{lr.interval} replies gathered for the next"
                          + (f", last loss {lr.last.loss:.3f}" if lr.last else ""))
         return "\n".join(lines)
 

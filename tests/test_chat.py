@@ -153,7 +153,7 @@ def test_drafter_learns_between_turns_and_next_session_starts_with_it(tiny_dirs,
     assert "drafter learning off" in command(chat, "/adapt off")
     say(chat, "print(add_")
     stats = command(chat, "/stats")
-    assert "drafter learning paused: 1 updates in the profile, 0/1 replies gathered" in stats
+    assert "drafter learning paused: 1 updates so far, 0/1 replies gathered" in stats
     chat.sendeof()
     chat.expect(pexpect.EOF)
     manifest = json.loads(next((home / "profiles").glob("*/manifest.json")).read_text())
