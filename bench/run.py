@@ -230,7 +230,6 @@ def _cpu_name() -> str | None:
 
 def _git_commit() -> str | None:
     import subprocess
-    from pathlib import Path
 
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
