@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -95,8 +96,22 @@ def test_conversation_and_commands(tiny, tiny_dirs, tmp_path):
     again.expect(pexpect.EOF)
 
 
+def endless_target(tiny_dirs, tmp_path) -> dict:
+    """The tiny target with its end of sequence moved to a token it never writes,
+    so a reply runs until it is interrupted (a tiny model may otherwise stop at once)."""
+    target = tmp_path / "endless-target"
+    shutil.copytree(tiny_dirs["target"], target)
+    for name, key, value in [("config.json", "eos_token_id", None), ("tokenizer_config.json", "eos_token", "<|endoftext|>")]:
+        cfg = json.loads((target / name).read_text())
+        tok = json.loads((target / "tokenizer.json").read_text())
+        eos_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|endoftext|>")
+        cfg[key] = value or eos_id
+        (target / name).write_text(json.dumps(cfg))
+    return {**tiny_dirs, "target": target}
+
+
 def test_ctrl_c_stops_reply_and_ctrl_d_exits(tiny_dirs, tmp_path):
-    chat = spawn(tiny_dirs, tmp_path / "home", "--max-tokens", "100000")
+    chat = spawn(endless_target(tiny_dirs, tmp_path), tmp_path / "home", "--max-tokens", "100000")
     chat.sendline("def add_3(x):")
     chat.expect("return")  # streaming has begun
     chat.sendintr()
