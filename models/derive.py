@@ -171,10 +171,9 @@ def _run(layers, h):
 
 def _logits(model, h):
     """The final norm and output head on the last hidden state."""
-    h = model.model.norm(h)
-    if model.args.tie_word_embeddings:
-        return model.model.embed_tokens.as_linear(h)
-    return model.lm_head(h)
+    from omnidraft_mlx.speculative import output_head
+
+    return output_head(model)(model.model.norm(h))
 
 
 def _ce(logits, targets):

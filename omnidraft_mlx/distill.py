@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten
 
 from omnidraft_mlx.align import align, draft_encode, spelled_bytes
 from omnidraft_mlx.pair import Pair
+from omnidraft_mlx.speculative import output_head
 
 
 @dataclass
@@ -98,8 +99,7 @@ def head_logits(model, h: mx.array, cols: mx.array | None = None) -> mx.array:
     """Output logits of hidden states h, only the columns `cols` where given."""
     w = head_weight(model)
     if w is None:  # a quantized head: the full product, then the columns
-        tied = getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head")
-        out = model.model.embed_tokens.as_linear(h) if tied else model.lm_head(h)
+        out = output_head(model)(h)
         return out if cols is None else out[:, cols]
     return h @ (w if cols is None else w[cols]).T
 
