@@ -1,6 +1,8 @@
 import pytest
 from mlx_lm import load
 
+from omnidraft_mlx.pair import make_pair
+
 from tiny_models import build_tiny_models
 
 
@@ -14,3 +16,10 @@ def tiny_dirs(tmp_path_factory) -> dict:
 def tiny(tiny_dirs) -> dict:
     """(model, tokenizer) per tiny model name."""
     return {name: load(str(path)) for name, path in tiny_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def cross(tiny):
+    """The tiny cross-vocabulary pair, fresh per test module (its n-gram cache grows in use)."""
+    (dm, dt), (tm, tt) = tiny["draft"], tiny["target"]
+    return make_pair(dm, dt, tm, tt)

@@ -52,12 +52,6 @@ def test_alignment_by_hand():
     assert al.direct == [(2, 1)] and al.ngram == [(0, 0), (1, 0)]
 
 
-@pytest.fixture(scope="module")
-def cross(tiny):
-    (dm, dt), (tm, tt) = tiny["draft"], tiny["target"]
-    return make_pair(dm, dt, tm, tt)
-
-
 def test_alignment_on_real_tokenizers(cross):
     vmap = cross.vmap
     text = SPLIT_TEXT

@@ -33,12 +33,6 @@ def run_plain(model, tok, prompt, raw=True, max_tokens=48):
     return list(plain_generate(model, tok, ids, PlainStats(), max_tokens=max_tokens))
 
 
-@pytest.fixture(scope="module")
-def cross(tiny):
-    (dm, dt), (tm, tt) = tiny["draft"], tiny["target"]
-    return make_pair(dm, dt, tm, tt)
-
-
 def test_vocab_map_is_byte_exact(cross):
     vmap = cross.vmap
     draft_ids, target_ids = vmap.mapped_pairs()

@@ -5,19 +5,12 @@ import numpy as np
 import pytest
 
 from omnidraft_mlx.generate import PlainStats, plain_generate
-from omnidraft_mlx.pair import make_pair
 from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, drafted_and_kept, speculative_generate
 from tiny_models import TEXT
 
 PROMPTS = [TEXT[i : i + 60] for i in range(0, 1800, 150)]
-
-
-@pytest.fixture(scope="module")
-def cross(tiny):
-    (dm, dt), (tm, tt) = tiny["draft"], tiny["target"]
-    return make_pair(dm, dt, tm, tt)
 
 
 def run(pair, policy, prompts, max_tokens=40):
