@@ -86,11 +86,13 @@ def phase_before(args) -> None:
 def phase_adapt(args) -> None:
     from omnidraft_mlx.adapt import Budget, open_learner, stream
     from omnidraft_mlx.distill import DistillConfig
+    from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
     from omnidraft_mlx.speculative import SpecConfig
 
     cfg = DistillConfig(lam=args.lam, lr=args.lr, lora_rank=args.rank, steps=args.steps)
-    learner = open_learner(args.draft, args.target, (*load(args.draft), *load(args.target)), cfg, args.interval, path=profile_path(args),
-                           note=print)
+    policy = DraftPolicy(PolicyConfig(name=args.policy, k=args.k))
+    learner = open_learner(args.draft, args.target, (*load(args.draft), *load(args.target)), cfg, args.interval,
+                           path=profile_path(args), note=print, policy=policy)
     learner.corpus = "adaptation-split:" + ",".join(TASKS)
     learner.position = learner.profile.position(learner.corpus)
     log = args.out / "stream.json"
@@ -120,10 +122,33 @@ def phase_after(args) -> None:
     cache, empty = profile.ngrams, NGramCache()
     conds = {"plain": (base, empty, None), "cache-tokens": (base, cache, "tokens"),
              "adapted-text": (adapted, cache, "text"), "adapted-tokens": (adapted, cache, "tokens")}
-    if args.ablation:  # the adapted drafter without the n-gram cache
-        conds["adapted-nocache-tokens"] = (adapted, empty, "tokens")
+    if args.ablation:  # the adapted drafter without the n-gram cache; the same learning without the n-gram NLL
+        kl_only = make_pair(*kl_only_drafter(args, make_pair(*load(args.draft), tm, tt)), tm, tt)
+        conds |= {"adapted-nocache-tokens": (adapted, empty, "tokens"), "klonly-text": (kl_only, cache, "text"),
+                  "klonly-tokens": (kl_only, cache, "tokens")}
     _warm(base)
     _write("after", evaluate(conds, heldout(args.prompts), args.k, args.tokens), args)
+
+
+def kl_only_drafter(args, pair) -> tuple:
+    """The stream run's updates replayed with lambda = 0 from the base drafter.
+
+    Greedy replies are the target's own output whatever the drafter, so replaying
+    the logged replies in the logged order gives the same training data and
+    updates the stream run had: only the loss differs."""
+    from omnidraft_mlx.adapt import OnlineLearner
+    from omnidraft_mlx.distill import DistillConfig, setup_trainable
+
+    log = json.loads((args.out / "stream.json").read_text())
+    cfg = DistillConfig.from_dict({**log["settings"], "lam": 0.0})
+    setup_trainable(pair.draft, cfg)
+    learner, samples = OnlineLearner(pair, cfg, log["settings"]["interval"]), adapt_stream()
+    for r in log["records"]:
+        learner.observe(samples[r["position"] - 1].messages, r["reply"])
+        learner.maybe_update()
+    learner.update()
+    print(f"KL-only replay: {learner.updates} updates on {len(log['records'])} replies", flush=True)
+    return pair.draft, pair.draft_tok
 
 
 def _warm(pair) -> None:
@@ -205,6 +230,9 @@ def phase_report(args) -> None:
     bars = [("none\ntext", "before", "none-text"), ("none\ntokens", "before", "none-tokens"),
             ("cache\ntokens", "after", "cache-tokens"), ("adapted\ntokens", "after", "adapted-tokens"),
             ("adapted\ntext", "after", "adapted-text")]
+    bars += [(label, "after", m) for label, m in (("adapted\nno cache\ntokens", "adapted-nocache-tokens"),
+                                                  ("KL only\ntokens", "klonly-tokens"), ("KL only\ntext", "klonly-text"))
+             if m in results["after"]]
     for i, task in enumerate(TASKS):
         vals = [results[ph][m][task]["acceptance"] for _, ph, m in bars]
         bx.bar(np.arange(len(bars)) + 0.4 * i, vals, 0.4, label=task)
@@ -229,7 +257,8 @@ def main() -> None:
     ap.add_argument("--lam", type=float, default=0.2)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--ablation", action="store_true", help="after: also the adapted drafter without n-gram cache")
+    ap.add_argument("--policy", default="learned", help="adapt: draft-length policy while streaming (its head learns)")
+    ap.add_argument("--ablation", action="store_true", help="after: also the adapted drafter without the n-gram cache, and trained with KL only")
     ap.add_argument("--draft", default=DRAFT)
     ap.add_argument("--target", default=TARGET)
     ap.add_argument("--profile", help="where the adaptation profile lives (default: OMNIDRAFT_HOME/bench/)")

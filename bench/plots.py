@@ -103,6 +103,31 @@ def plot_time_split(result: dict, path: Path) -> None:
     _save(fig, path)
 
 
+def plot_gamma(result: dict, path: Path) -> None:
+    """The learned policy against its threshold gamma, the best fixed k beside it."""
+    rows = _rows(result)
+    tasks, _ = _names(result)
+    learned = sorted((m["gamma"], m["name"]) for m in result["config"]["methods"] if m.get("gamma") is not None)
+    fixed = [m["name"] for m in result["config"]["methods"] if m["kind"] == "ours" and m["policy"] == "fixed"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for i, task in enumerate(tasks):
+        color, style = f"C{i}", dict(marker="o", lw=2.2 if task == ALL else 1)
+        gammas = [g for g, _ in learned]
+        axes[0].plot(gammas, [rows[task, m]["speedup_median"] for _, m in learned], color=color, label=task, **style)
+        axes[1].plot(gammas, [rows[task, m]["tokens_per_forward"] for _, m in learned], color=color, **style)
+        if fixed:
+            best = max(fixed, key=lambda m: rows[task, m]["speedup_median"])
+            axes[0].axhline(rows[task, best]["speedup_median"], color=color, ls=":", lw=1,
+                            label=f"{task}: best fixed ({best})")
+    axes[0].set_ylabel("speedup over plain (median)")
+    axes[1].set_ylabel("target tokens per target forward")
+    for ax in axes:
+        ax.set_xlabel("gamma (stop drafting when P(a rejection) > gamma)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(_title(result), fontsize=9)
+    _save(fig, path)
+
+
 def _title(result: dict) -> str:
     cfg = result["config"]
     return f"{pair_name(cfg)} ({len(cfg['prompt_ids'])} prompts, {cfg['max_tokens']} tokens, greedy)"
@@ -120,4 +145,7 @@ def write_plots(result: dict, out: Path) -> dict[str, Path]:
     plot_speedup(result, files["speedup"])
     plot_k_sweep(result, files["k_sweep"])
     plot_time_split(result, files["time_split"])
+    if sum(m.get("gamma") is not None for m in result["config"]["methods"]) > 1:
+        files["gamma"] = out / "gamma.png"
+        plot_gamma(result, files["gamma"])
     return files

@@ -35,6 +35,7 @@ from omnidraft_mlx.bench.tasks import Prompt, load_task
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.policy import POLICIES, DraftPolicy, PolicyConfig
+from omnidraft_mlx.profile import HEAD
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, output_head, prefill, speculative_generate
 
@@ -56,7 +57,7 @@ class BenchConfig:
     mlx_lm: bool = True  # add mlx-lm's speculative decoding where the vocabularies match
     time_limit_s: float | None = None  # start no new prompt after this long (whole prompts only)
     policies: list[str] = field(default_factory=list)  # adaptive draft-length policies to add
-    gamma: float = 0.5  # the learned policy's stopping threshold
+    gammas: list[float] = field(default_factory=lambda: [0.5])  # the learned policy's stopping thresholds
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Method:
     k: int | None = None
     translation: str | None = None
     policy: str = "fixed"
+    gamma: float | None = None  # learned policy only
 
 
 def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
@@ -75,7 +77,10 @@ def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
         for tr in cfg.translations[:1] if same_vocab else cfg.translations:
             methods.append(Method(f"ours-k{k}" + ("" if tr == "text" else f"-{tr}"), "ours", k, tr))
     # Adaptive policies start from (and, untrained, behave like) the largest k.
-    methods += [Method(f"ours-{p}", "ours", max(cfg.ks), cfg.translations[0], p) for p in cfg.policies]
+    for p in cfg.policies:
+        for g in cfg.gammas if p == "learned" else [None]:
+            name = f"ours-{p}" + (f"-g{g:g}" if g is not None and len(cfg.gammas) > 1 else "")
+            methods.append(Method(name, "ours", max(cfg.ks), cfg.translations[0], p, g))
     if same_vocab and cfg.mlx_lm:
         methods += [Method(f"mlxlm-k{k}", "mlxlm", k) for k in cfg.ks]
     return methods
@@ -87,9 +92,10 @@ def make_policies(cfg: BenchConfig, methods: list[Method], profile: dict | None)
     policies = {}
     for m in methods:
         if m.kind == "ours":
-            policies[m.name] = DraftPolicy(PolicyConfig(name=m.policy, k=m.k, gamma=cfg.gamma))
+            gamma = {} if m.gamma is None else {"gamma": m.gamma}
+            policies[m.name] = DraftPolicy(PolicyConfig(name=m.policy, k=m.k, **gamma))
             if m.policy == "learned" and profile is not None:
-                policies[m.name].load(Path(profile["path"]) / "accept_head.npz")
+                policies[m.name].load(Path(profile["path"]) / HEAD)
     return policies
 
 

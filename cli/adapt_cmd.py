@@ -9,6 +9,7 @@ import typer
 
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+from omnidraft_mlx.policy import POLICIES, DraftPolicy, PolicyConfig
 
 
 def _samples(corpus: Optional[str], task: Optional[str], n_eval: int):
@@ -46,6 +47,7 @@ def adapt(
     steps: int = typer.Option(1, "--steps", help="Passes over the buffer per update."),
     max_len: int = typer.Option(512, "--max-len", help="Most tokens per training sequence."),
     k: int = typer.Option(4, "--k", "-k", help="Draft tokens per round (stream mode and evaluation)."),
+    policy: str = typer.Option("learned", "--policy", help="Draft length while streaming: fixed, confidence, heuristic or learned (its acceptance head learns alongside and is saved in the profile)."),
     max_tokens: int = typer.Option(128, "--max-tokens", help="Reply length in stream mode."),
     n_eval: int = typer.Option(4, "--eval", help="Held-out prompts evaluated before and after (0 = none)."),
     eval_tokens: int = typer.Option(32, "--eval-tokens", help="Tokens generated per evaluation prompt."),
@@ -63,6 +65,8 @@ def adapt(
 
     if mode not in (None, "stream", "text"):
         raise OmniDraftError(f"unknown --mode '{mode}': use stream or text")
+    if policy not in POLICIES:
+        raise OmniDraftError(f"unknown --policy '{policy}': use one of {', '.join(POLICIES)}")
     if min(interval, batch, steps, max_len, k, max_tokens) < 1 or n_eval < 0 or rank < 0:
         raise OmniDraftError("--interval, --batch, --steps, --max-len, --k and --max-tokens must be at least 1")
     samples, held, key = _samples(corpus, task, n_eval)
@@ -74,8 +78,9 @@ def adapt(
     draft_model, draft_tok = load_model(draft)
     target_model, target_tok = load_model(target)
     cfg = DistillConfig(lam=lam, lr=lr, lora_rank=rank, layers=layers, batch=batch, steps=steps, max_len=max_len)
+    draft_policy = DraftPolicy(PolicyConfig(name=policy, k=k)) if mode == "stream" else None
     learner = open_learner(draft, target, (draft_model, draft_tok, target_model, target_tok), cfg, interval, raw,
-                           note=lambda s: err_console.print(f"[yellow]note:[/] {s}"))
+                           note=lambda s: err_console.print(f"[yellow]note:[/] {s}"), policy=draft_policy)
     pair, profile = learner.pair, learner.profile
     learner.corpus, learner.position = key, profile.position(key)
     if learner.position >= len(samples):

@@ -15,11 +15,14 @@ from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 QUICK_PROMPTS, QUICK_TOKENS = 1, 32
 
 
-def _int_list(text: str, what: str) -> list[int]:
+def _numbers(text: str, what: str, kind=int, example: str = "3,4,5") -> list:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise OmniDraftError(f"{what} takes comma-separated integers, e.g. 3,4,5 (got '{text}')") from None
+        values = []
+    if not values:
+        raise OmniDraftError(f"{what} takes comma-separated {kind.__name__}s, e.g. {example} (got '{text}')")
+    return values
 
 
 def _slug(name: str) -> str:
@@ -42,7 +45,7 @@ def bench(
     k: str = typer.Option("3,4,5", "--k", "-k", help="Draft lengths to compare, comma-separated."),
     translation: str = typer.Option("text", "--translation", help="Draft translation(s): text, tokens or text,tokens."),
     policy: str = typer.Option("", "--policy", help="Adaptive draft-length policies to add: confidence,heuristic,learned."),
-    gamma: float = typer.Option(0.5, "--gamma", help="The learned policy's stopping threshold."),
+    gamma: str = typer.Option("0.5", "--gamma", help="The learned policy's stopping threshold(s), comma-separated (one method each)."),
     prompts: Optional[int] = typer.Option(None, "--prompts", help="Held-out prompts per task (default 6; --quick: 1)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Tokens per generation (default 96; --quick: 32)."),
     quick: bool = typer.Option(False, "--quick", help="A few short prompts: a check in minutes, not a measurement."),
@@ -90,12 +93,12 @@ def bench(
         raise OmniDraftError(f"unknown --task '{task}': use code, math, chat or all")
     cfg = BenchConfig(
         draft=draft, target=target, tasks=list(TASKS) if task == "all" else [task],
-        ks=_int_list(k, "--k"), translations=[t.strip() for t in translation.split(",") if t.strip()],
+        ks=_numbers(k, "--k"), translations=[t.strip() for t in translation.split(",") if t.strip()],
         prompts=prompts or (QUICK_PROMPTS if quick else 6),
         max_tokens=max_tokens or (QUICK_TOKENS if quick else 96),
         shortest=quick, use_profile=not no_profile, mlx_lm=not no_mlx_lm,
         time_limit_s=None if time_limit is None else 60 * time_limit,
-        policies=[p.strip() for p in policy.split(",") if p.strip()], gamma=gamma,
+        policies=[p.strip() for p in policy.split(",") if p.strip()], gammas=_numbers(gamma, "--gamma", float, "0.3,0.5,0.7"),
     )
     out = out or Path("omnidraft-bench") / f"{_slug(draft)}__{_slug(target)}"
     with _progress() as progress:

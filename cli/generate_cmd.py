@@ -113,7 +113,7 @@ def generate(
         stats = SpecStats()
         printer = Printer(pair.vmap.target_bytes, console, show_draft, quiet)
         draft_policy = DraftPolicy(PolicyConfig(name=policy, k=k, max_k=max_k, gamma=gamma))
-        head_path = profile.path / "accept_head.npz" if profile is not None else None
+        head_path = profile.head_path if profile is not None else None
         if head_path is not None:
             draft_policy.load(head_path)
         try:

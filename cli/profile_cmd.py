@@ -16,6 +16,7 @@ TARGET = typer.Option(DEFAULT_TARGET, "--target", "-t", help="Target name.")
 def show(draft: str = DRAFT, target: str = TARGET) -> None:
     """What the pair's profile holds."""
     from omnidraft_mlx.cli.main import console
+    from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
     from omnidraft_mlx.profile import load_profile
 
     profile = load_profile(draft, target)
@@ -28,6 +29,11 @@ def show(draft: str = DRAFT, target: str = TARGET) -> None:
     console.print(f"  models: {draft} -> {target}")
     console.print(f"  n-gram cache: {len(profile.ngrams)} entries")
     console.print(f"  drafter updates: {profile.updates}" + (f", last saved {m['saved_at']}" if m.get("saved_at") else ""))
+    if profile.head_path.exists():
+        policy = DraftPolicy(PolicyConfig(name="learned"))
+        policy.load(profile.head_path)
+        state = "deciding" if policy.ready else f"learning (decides after {policy.cfg.warmup})"
+        console.print(f"  acceptance head: {len(policy.labels)} labelled draft tokens, {state}")
     if profile.distill:
         console.print("  training: " + ", ".join(f"{k}={v}" for k, v in profile.distill.items()))
     for corpus, pos in m.get("corpus", {}).items():
@@ -55,6 +61,7 @@ def export(out: str = typer.Argument(..., help="Archive to write (.tar.gz)."),
 
     from omnidraft_mlx.atomic import atomic_write_bytes
     from omnidraft_mlx.cli.main import console
+    from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
     from omnidraft_mlx.profile import load_profile
 
     profile = load_profile(draft, target)

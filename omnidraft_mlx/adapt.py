@@ -24,6 +24,7 @@ import mlx.core as mx
 from omnidraft_mlx.distill import DistillConfig, Distiller, Example, StepStats, make_example
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
+from omnidraft_mlx.policy import DraftPolicy
 from omnidraft_mlx.profile import Profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
@@ -132,13 +133,18 @@ class OnlineLearner:
     reply, then `maybe_update()`; it returns True when the drafter changed.
     The drafter must have been prepared for training (load_profile(...,
     trainable=True) or distill.setup_trainable) before the learner is made.
+    `policy`, when given, is the draft-length policy the decoding uses: its
+    acceptance head (trained as it decodes) is saved with every update.
     """
 
     def __init__(self, pair: Pair, cfg: DistillConfig, interval: int = 8, profile: Profile | None = None,
-                 raw: bool = False):
+                 raw: bool = False, policy: DraftPolicy | None = None):
         if interval < 1:
             raise OmniDraftError("the update interval must be at least 1 prompt")
         self.pair, self.cfg, self.interval, self.profile, self.raw = pair, cfg, interval, profile, raw
+        self.policy = policy
+        if policy is not None and profile is not None:
+            policy.load(profile.head_path)
         self.distiller = Distiller(pair, cfg)
         if profile is not None:
             profile.load_optimizer(self.distiller.opt)
@@ -183,14 +189,16 @@ class OnlineLearner:
                  "seconds": round(report.seconds, 2), "tokens_per_s": round(report.tokens_per_s, 1),
                  "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 2), **(record or {})},
             )
+            if self.policy is not None:
+                self.policy.save(self.profile.head_path)
             report.save_s = time.perf_counter() - t0
         self.last = report
         return report
 
 
 def open_learner(draft: str, target: str, models: tuple, cfg: DistillConfig, interval: int = 8,
-                 raw: bool = False, path: Path | None = None, note: Callable[[str], None] = lambda s: None
-                 ) -> OnlineLearner:
+                 raw: bool = False, path: Path | None = None, note: Callable[[str], None] = lambda s: None,
+                 policy: DraftPolicy | None = None) -> OnlineLearner:
     """A learner on the pair's profile: its adapter, optimizer state and n-grams
     when they exist (the saved adapter's shape wins over cfg's), else a fresh one.
     `models` is (draft model, draft tokenizer, target model, target tokenizer)."""
@@ -208,7 +216,7 @@ def open_learner(draft: str, target: str, models: tuple, cfg: DistillConfig, int
     else:
         setup_trainable(draft_model, cfg)
     pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile.ngrams)
-    return OnlineLearner(pair, cfg, interval, profile, raw)
+    return OnlineLearner(pair, cfg, interval, profile, raw, policy)
 
 
 # --- the two loops ---------------------------------------------------------------
@@ -240,7 +248,7 @@ def stream(learner: OnlineLearner, samples: list[Sample], spec: SpecConfig, budg
            on_event: Callable[[Event], None] = lambda e: None) -> list[dict]:
     """Algorithm 2: answer each prompt speculatively, learn from the verified reply.
 
-    Returns one record per prompt (acceptance as it was when answered)."""
+    Returns one record per prompt (acceptance as it was when answered, the reply's target ids)."""
     pair, records, done = learner.pair, [], 0
     for idx in range(learner.position, len(samples)):
         if budget.spent(done):
@@ -252,12 +260,14 @@ def stream(learner: OnlineLearner, samples: list[Sample], spec: SpecConfig, budg
         stats = SpecStats()
         draft_ids = encode_prompt(pair.draft_tok, msgs, learner.raw)
         target_ids = encode_prompt(pair.target_tok, msgs, learner.raw)
-        reply = [t for new, _ in speculative_generate(pair, draft_ids, target_ids, spec, stats) for t in new]
+        reply = [t for new, _ in speculative_generate(pair, draft_ids, target_ids, spec, stats, learner.policy)
+                 for t in new]
         learner.observe(msgs, reply)
         learner.position, done = idx + 1, done + 1
         records.append({"position": idx + 1, "acceptance": stats.acceptance, "proposed": stats.proposed,
                         "accepted": stats.accepted, "tokens_per_forward": stats.tokens_per_forward,
-                        "tokens": stats.emitted, "ngrams": len(pair.ngrams), "updates": learner.updates})
+                        "tokens": stats.emitted, "ngrams": len(pair.ngrams), "updates": learner.updates,
+                        "reply": reply})
         report = learner.update(_window(records, learner.interval)) if len(learner.buffer) >= learner.interval else None
         on_event(Event(done, learner.position, stats.acceptance, report))
     learner.update(_window(records, learner.interval))  # what is left in the buffer

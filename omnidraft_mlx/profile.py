@@ -31,6 +31,7 @@ from omnidraft_mlx.ngram import NGramCache
 FORMAT = 1
 MANIFEST = "manifest.json"
 NGRAMS = "ngrams.json"
+HEAD = "accept_head.npz"  # the learned draft-length policy (written by DraftPolicy.save)
 
 
 def _slug(name: str) -> str:
@@ -79,6 +80,10 @@ class Profile:
     def distill(self) -> dict | None:
         """Settings the adapter was trained with (None: no adapter yet)."""
         return self.manifest.get("distill")
+
+    @property
+    def head_path(self) -> Path:
+        return self.path / HEAD
 
     def position(self, corpus: str) -> int:
         return self.manifest.get("corpus", {}).get(corpus, 0)

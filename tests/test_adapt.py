@@ -306,6 +306,7 @@ def test_adapt_command_resumes_and_profile_commands(tmp_path, tiny_dirs):
     assert "continuing the profile's adapter" in second.stderr
     shown = omnidraft("profile", "show", *pair_args, home=tmp_path)
     assert "drafter updates: 3" in shown.stdout and "6 items learned from" in shown.stdout
+    assert "acceptance head: " in shown.stdout  # the learned draft-length policy trained while streaming
     # generate loads the profile (adapter applied) and keeps the output lossless.
     gen = omnidraft("generate", *pair_args, "--raw", "--max-tokens", "8", "-q", TRAIN_PROMPTS[0], home=tmp_path)
     plain = omnidraft("generate", "--model", str(tiny_dirs["target"]), "--raw", "--max-tokens", "8", "-q",
@@ -317,6 +318,7 @@ def test_adapt_command_resumes_and_profile_commands(tmp_path, tiny_dirs):
 
     names = tarfile.open(archive).getnames()
     assert any(n.endswith("manifest.json") for n in names) and any("adapter-" in n for n in names)
+    assert any(n.endswith("accept_head.npz") for n in names)
     assert omnidraft("profile", "reset", *pair_args, home=tmp_path).returncode == 0
     assert "no profile yet" in omnidraft("profile", "show", *pair_args, home=tmp_path).stdout
 
