@@ -90,24 +90,28 @@ def decode_all(pairs: dict, methods: list[tuple[str, Method]], prompts, max_toke
 
 
 def summarize(records: list) -> dict:
-    """Per method, over all prompts: tokens/s, speedup, acceptance, tokens per target forward."""
+    """Per method, per task and over all prompts ("all"): tokens/s, speedup (pooled
+    tokens/s over plain's), acceptance, tokens per target forward."""
     out = {}
+    tasks = [*dict.fromkeys(r["task"] for r in records), "all"]
     for label in dict.fromkeys(r["method"] for r in records):
-        rs = [r for r in records if r["method"] == label]
-        tokens, seconds = sum(r["tokens"] for r in rs), sum(r["generate_s"] for r in rs)
-        proposed = sum(r["proposed"] or 0 for r in rs)
-        out[label] = {
-            "tokens": tokens,
-            "tokens_per_s": round(tokens / seconds, 3),
-            "acceptance": round(sum(r["accepted"] or 0 for r in rs) / proposed, 3) if proposed else None,
-            "tokens_per_forward": round(tokens / sum(r["rounds"] for r in rs), 3),
-            "draft_s": round(sum(r["draft_s"] or 0 for r in rs), 2),
-            "verify_s": round(sum(r["verify_s"] or 0 for r in rs), 2),
-            "all_equal_to_plain": all(r["equal_to_plain"] for r in rs),
-        }
-    plain = out["plain"]["tokens_per_s"]
-    for row in out.values():
-        row["speedup"] = round(row["tokens_per_s"] / plain, 3)
+        for task in tasks:
+            rs = [r for r in records if r["method"] == label and task in ("all", r["task"])]
+            tokens, seconds = sum(r["tokens"] for r in rs), sum(r["generate_s"] for r in rs)
+            proposed = sum(r["proposed"] or 0 for r in rs)
+            out.setdefault(label, {})[task] = {
+                "prompts": len(rs),
+                "tokens": tokens,
+                "tokens_per_s": round(tokens / seconds, 3),
+                "acceptance": round(sum(r["accepted"] or 0 for r in rs) / proposed, 3) if proposed else None,
+                "tokens_per_forward": round(tokens / sum(r["rounds"] for r in rs), 3),
+                "draft_s": round(sum(r["draft_s"] or 0 for r in rs), 2),
+                "verify_s": round(sum(r["verify_s"] or 0 for r in rs), 2),
+                "all_equal_to_plain": all(r["equal_to_plain"] for r in rs),
+            }
+    for rows in out.values():
+        for task, row in rows.items():
+            row["speedup"] = round(row["tokens_per_s"] / out["plain"][task]["tokens_per_s"], 3)
     return out
 
 
@@ -147,11 +151,16 @@ def plot(result: dict, path: Path) -> None:
     ax = axes[2]
     summary = result["summary"]
     labels = [m for m in summary if m != "plain"]
-    x = np.arange(len(labels))
-    ax.bar(x - 0.2, [summary[m]["speedup"] for m in labels], 0.4, label="speedup vs plain")
-    ax.bar(x + 0.2, [summary[m]["acceptance"] for m in labels], 0.4, label="acceptance")
+    tasks = list(summary["plain"])
+    width = 0.8 / len(labels)
+    for j, m in enumerate(labels):
+        x = np.arange(len(tasks)) + (j - (len(labels) - 1) / 2) * width
+        ax.bar(x, [summary[m][t]["speedup"] for t in tasks], width, label=m)
+        for xi, t in zip(x, tasks):
+            ax.text(xi, 0.02, f"{summary[m][t]['acceptance']:.2f}", ha="center", fontsize=6, rotation=90)
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_xticks(np.arange(len(tasks)), tasks, fontsize=8)
+    ax.set_ylabel("speedup over plain (numbers: acceptance)")
     ax.legend(fontsize=7)
     ax.set_title(f"target {Path(result['target']).name}, {len(result['prompt_ids'])} prompts, greedy", fontsize=9)
     fig.tight_layout()
@@ -174,8 +183,10 @@ def main() -> None:
     parser.add_argument("--target", default="qwen2.5-coder-0.5b")
     parser.add_argument("--big-target", default="qwen2.5-coder-1.5b", help="only timed, for the cost ratio")
     parser.add_argument("--depths", default="4,6,8")
-    parser.add_argument("--k", default="4", help="draft lengths for the derived drafter (the full one uses 4)")
-    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per task (code, math)")
+    parser.add_argument("--k", default="4", help="draft lengths for the derived drafter")
+    parser.add_argument("--full-k", default="4", help="draft lengths for the full drafter")
+    parser.add_argument("--tasks", default="code,math,chat")
+    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per task")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--cost-rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results/derived"))
@@ -186,8 +197,8 @@ def main() -> None:
     full, full_tok = load_model(args.full)
     derived, derived_tok = load_model(args.derived)
     target, target_tok = load_model(args.target)
-    big, _ = load_model(args.big_target)
-    prompts = select_prompts(BenchConfig(draft=args.derived, target=args.target, tasks=["code", "math"],
+    big = target if args.big_target == args.target else load_model(args.big_target)[0]
+    prompts = select_prompts(BenchConfig(draft=args.derived, target=args.target, tasks=args.tasks.split(","),
                                          prompts=args.prompts))
     with _progress(True) as bar:
         cost = measure_costs(
@@ -196,12 +207,12 @@ def main() -> None:
         )
         del big
         pairs = {"plain": make_pair(full, full_tok, target, target_tok)}
-        pairs["full-k4"] = pairs["plain"]
-        methods = [("plain", Method("plain", "plain")), ("full-k4", Method("ours-k4", "ours", 4, "text"))]
+        methods = [("plain", Method("plain", "plain"))]
         derived_pair = make_pair(derived, derived_tok, target, target_tok)
-        for k in [int(k) for k in args.k.split(",")]:
-            pairs[f"derived-k{k}"] = derived_pair
-            methods.append((f"derived-k{k}", Method(f"ours-k{k}", "ours", k, "text")))
+        for name, pair, ks in (("full", pairs["plain"], args.full_k), ("derived", derived_pair, args.k)):
+            for k in [int(k) for k in ks.split(",")]:
+                pairs[f"{name}-k{k}"] = pair
+                methods.append((f"{name}-k{k}", Method(f"ours-k{k}", "ours", k, "text")))
         records = decode_all(pairs, methods, prompts, args.max_tokens, bar)
     big_step = cost[args.big_target]
     result = {
