@@ -65,6 +65,8 @@ def chat(
     target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help="Target: catalog name, directory, .gguf or hub id."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     k: int = typer.Option(4, "--k", "-k", help="Draft tokens per round."),
+    policy: str = typer.Option("fixed", "--policy", help="Draft length: fixed, confidence, heuristic or learned (its head is saved in the profile)."),
+    gamma: float = typer.Option(0.5, "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Most tokens per reply."),
@@ -82,10 +84,13 @@ def chat(
     from omnidraft_mlx.cli.main import console, err_console
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.pair import make_pair
+    from omnidraft_mlx.policy import POLICIES, DraftPolicy, PolicyConfig
     from omnidraft_mlx.profile import load_profile
 
     if max_tokens < 1 or k < 1 or adapt_every < 1:
         raise OmniDraftError("--max-tokens, --k and --adapt-every must be at least 1")
+    if policy not in POLICIES:
+        raise OmniDraftError(f"unknown --policy '{policy}': use one of {', '.join(POLICIES)}")
     if context is not None and context < 64:
         raise OmniDraftError("--context must be at least 64 tokens")
     warn_if_slow_blas(err_console)
@@ -97,8 +102,15 @@ def chat(
         pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile.ngrams if profile else None)
         learner = make_learner(pair, profile, adapt_every) if adapt else None
     cfg = ChatConfig(k, temp, top_p, max_tokens, seed, context, adapt)
-    on_save = profile.save_ngrams if profile else None
-    session = ChatSession(pair, cfg, Conversation(system), learner, on_save)
+    draft_policy = DraftPolicy(PolicyConfig(name=policy, k=k, gamma=gamma))
+    on_save = None
+    if profile:
+        draft_policy.load(profile.head_path)
+
+        def on_save() -> None:
+            profile.save_ngrams()
+            draft_policy.save(profile.head_path)
+    session = ChatSession(pair, cfg, Conversation(system), learner, on_save, draft_policy)
     with console.status("timing the target's plain decoding step (for the speedup estimate)"):
         session.measure_plain_speed()
     console.print(

@@ -18,6 +18,7 @@ from typing import Iterator
 from omnidraft_mlx.atomic import atomic_write_text
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair, context_length
+from omnidraft_mlx.policy import DraftPolicy
 from omnidraft_mlx.prompts import encode_prompt
 from omnidraft_mlx.textstream import TextStream
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
@@ -174,8 +175,9 @@ class ChatSession:
     """A conversation with a drafter/target pair; learns from every reply."""
 
     def __init__(self, pair: Pair, cfg: ChatConfig, conversation: Conversation | None = None,
-                 learner=None, on_save=None):
+                 learner=None, on_save=None, policy: DraftPolicy | None = None):
         self.pair, self.cfg = pair, cfg
+        self.policy = policy  # draft length (default: fixed k); a learned one keeps learning across replies
         self.conv = conversation or Conversation()
         self.learner = learner  # optional: an adapt.OnlineLearner (make_learner)
         self.on_save = on_save  # persists what was learned (the profile); called after replies
@@ -225,7 +227,8 @@ class ChatSession:
                          max_tokens=reply.max_tokens, seed=self.cfg.seed + self.replies)
         out = TextStream(self.pair.vmap.target_bytes)
         try:
-            for new, drafted in speculative_generate(self.pair, reply.draft_ids, reply.target_ids, cfg, reply.stats):
+            for new, drafted in speculative_generate(self.pair, reply.draft_ids, reply.target_ids, cfg, reply.stats,
+                                                     self.policy):
                 for t, d in zip(new, drafted):
                     reply.ids.append(t)
                     piece = out.add(t)

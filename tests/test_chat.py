@@ -159,7 +159,7 @@ def test_multiline_input_and_trimming(tiny_dirs, tmp_path):
 
 def test_drafter_learns_between_turns_and_next_session_starts_with_it(tiny_dirs, tmp_path):
     home = tmp_path / "home"
-    chat = spawn(tiny_dirs, home, "--max-tokens", "12", "--adapt-every", "1")
+    chat = spawn(tiny_dirs, home, "--max-tokens", "12", "--adapt-every", "1", "--policy", "learned")
     chat.sendline("def add_3(x):")
     chat.expect(FOOTER)
     chat.expect(r"drafter update 1: loss [\d.]+")
@@ -173,6 +173,7 @@ def test_drafter_learns_between_turns_and_next_session_starts_with_it(tiny_dirs,
     chat.expect(pexpect.EOF)
     manifest = json.loads(next((home / "profiles").glob("*/manifest.json")).read_text())
     assert manifest["updates"] == 1
+    assert next((home / "profiles").glob("*/accept_head.npz")).stat().st_size > 0  # the draft-length head learned too
     again = spawn(tiny_dirs, home, "--no-adapt")
     assert "drafter updates 1" in clean(again.before)
     assert "started with --no-adapt" in command(again, "/adapt on")
@@ -192,10 +193,11 @@ def test_too_long_message_is_refused_not_fatal(tiny_dirs, tmp_path):
 
 def test_bad_options_one_line_error(tmp_path):
     env = dict(os.environ, OMNIDRAFT_HOME=str(tmp_path))
-    out = subprocess.run([sys.executable, "-m", "omnidraft_mlx.cli.main", "chat", "--k", "0"],
-                         capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
-    assert out.returncode == 2
-    assert out.stderr.strip().startswith("error:") and "Traceback" not in out.stderr
+    for bad in (["--k", "0"], ["--policy", "longest"]):
+        out = subprocess.run([sys.executable, "-m", "omnidraft_mlx.cli.main", "chat", *bad],
+                             capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+        assert out.returncode == 2
+        assert out.stderr.strip().startswith("error:") and "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("content", ["not json", '{"messages": [{"role": "robot", "content": "hi"}]}', "[1, 2]"])
