@@ -27,6 +27,19 @@ def _context(tokenizer, n: int) -> list[int]:
     return list(tokenizer.encode(text))[:n]
 
 
+def graph_build_ms(model, cache, x: mx.array, repeats: int) -> float:
+    """Python time to build one forward's graph, not run: the most that compiling
+    the step (or overlapping its building with the previous step) could save."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model(x, cache=cache)
+        times.append(time.perf_counter() - start)
+        trim_prompt_cache(cache, x.shape[1])
+    mx.eval([c.state for c in cache])  # the unrun cache updates, past the trimmed offset
+    return 1000 * float(np.median(times))
+
+
 def forward_cost(model, tokenizer, repeats: int = 5) -> dict:
     ids = _context(tokenizer, CACHED + max(WIDTHS))
     cache = make_prompt_cache(model)
@@ -41,12 +54,14 @@ def forward_cost(model, tokenizer, repeats: int = 5) -> dict:
             times.append(time.perf_counter() - start)
             trim_prompt_cache(cache, width)
         forward_ms[str(width)] = 1000 * float(np.median(times[1:]))
+    build_ms = graph_build_ms(model, cache, mx.array(ids[CACHED : CACHED + 1])[None], repeats)
     stats = PlainStats()
     for _ in plain_generate(model, tokenizer, ids[:CACHED], stats, max_tokens=DECODE_TOKENS):
         pass
     return {
         "cached_tokens": CACHED,
         "forward_ms": forward_ms,
+        "graph_build_ms": build_ms,
         "decode_tokens": stats.emitted,
         "decode_tokens_per_s": stats.tokens_per_s,
     }

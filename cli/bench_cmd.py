@@ -82,7 +82,8 @@ def bench(
         for name, m in result["models"].items():
             ms = " / ".join(f"{v:.0f}" for v in m["forward_ms"].values())
             console.print(f"{name}: decode {m['decode_tokens_per_s']:.1f} tok/s, forward over "
-                          f"{'/'.join(m['forward_ms'])} tokens: {ms} ms ({m['cached_tokens']} cached)")
+                          f"{'/'.join(m['forward_ms'])} tokens: {ms} ms ({m['cached_tokens']} cached), "
+                          f"of which building the one-token graph {m['graph_build_ms']:.1f} ms")
         console.print(f"wrote {path}")
         return
 

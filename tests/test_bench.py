@@ -182,4 +182,5 @@ def test_forward_cost_mode(tiny_dirs, tmp_path):
     for m in result["models"].values():
         assert set(m["forward_ms"]) == {"1", "4", "8"} and all(v > 0 for v in m["forward_ms"].values())
         assert m["decode_tokens"] > 1 and m["decode_tokens_per_s"] > 0
+        assert 0 < m["graph_build_ms"] < 1.5 * m["forward_ms"]["1"]  # building is part of a forward
     assert result["environment"]["blas"]
