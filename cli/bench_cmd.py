@@ -21,7 +21,8 @@ def _numbers(text: str, what: str, kind=int, example: str = "3,4,5") -> list:
     except ValueError:
         values = []
     if not values:
-        raise OmniDraftError(f"{what} takes comma-separated {kind.__name__}s, e.g. {example} (got '{text}')")
+        noun = "integers" if kind is int else "numbers"
+        raise OmniDraftError(f"{what} takes comma-separated {noun}, e.g. {example} (got '{text}')")
     return values
 
 

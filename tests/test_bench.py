@@ -166,6 +166,7 @@ def test_mismatch_reports_position_and_logit_gap(tiny):
     (["--task", "poetry"], "unknown --task"),
     (["--k", "0"], "at least 1"),
     (["--k", "three"], "comma-separated integers"),
+    (["--policy", "learned", "--gamma", "half"], "comma-separated numbers"),
     (["--translation", "bytes"], "unknown --translation"),
     (["--forward-cost", ","], "needs model names"),
 ])
