@@ -11,6 +11,14 @@ early wastes a chance to emit several tokens per target forward. Policies:
   P(accept | previous accepted); stop when 1 - prod P > gamma (OmniDraft).
   Trained online from the verification of the translated target tokens, so it
   works across vocabularies.
+
+The head's default features are the cheap signals (log q of the token, the
+entropy, the depth). Measured on 1,741 labels from SmolLM2 -> Qwen 0.5B
+(first 75 % to train, last 25 % held out): held-out AUC 0.91 with them, 0.86
+with the 576-dim hidden state added (it overfits at this data size); the
+token's log q alone has AUC 0.92. The loss is plain BCE: the stopping rule
+multiplies probabilities, so they must be calibrated (class-balanced weights
+shifted the mean prediction from 0.90 to 0.72).
 """
 
 from __future__ import annotations
@@ -40,15 +48,16 @@ class PolicyConfig:
     warmup: int = 256  # labelled draft tokens before the head decides
     update_every: int = 8  # rounds between head updates
     buffer: int = 8192  # bounded replay buffer of (features, label)
+    hidden: bool = False  # add the drafter's hidden state to the head's features
 
 
-def token_features(hidden: mx.array, logits: mx.array, token: int, depth: int) -> mx.array:
-    """What the head sees of one drafted token: the drafter's hidden state, the
-    token's log-probability, the distribution's entropy and the draft depth."""
-    logprobs = logits - mx.logsumexp(logits)
+def token_features(hidden: mx.array | None, logits: mx.array, token: int, depth: int) -> mx.array:
+    """What the head sees of one drafted token: the token's log-probability, the
+    distribution's entropy and the draft depth, after the hidden state if given."""
+    logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
     entropy = -(mx.exp(logprobs) * logprobs).sum()
     extra = mx.stack([logprobs[token], entropy, mx.array(float(depth))])
-    return mx.concatenate([hidden.astype(mx.float32), extra])
+    return extra if hidden is None else mx.concatenate([hidden.astype(mx.float32), extra])
 
 
 class AcceptanceHead(nn.Module):
@@ -92,6 +101,9 @@ class DraftPolicy:
     def needs_features(self) -> bool:
         return self.cfg.name == "learned"
 
+    def features_of(self, hidden: mx.array, logits: mx.array, token: int, depth: int) -> mx.array:
+        return token_features(hidden if self.cfg.hidden else None, logits, token, depth)
+
     def wants(self, depth: int, logits: mx.array, token: int, features: mx.array | None) -> bool:
         """Whether to propose the token just drafted at this depth (the first always)."""
         if self.cfg.name == "confidence":
@@ -122,20 +134,18 @@ class DraftPolicy:
             self.train(steps=4)
 
     def train(self, steps: int, batch: int = 256, seed: int = 0) -> float:
-        """A few weighted-BCE steps on the replay buffer; returns the last loss."""
+        """A few BCE steps on the replay buffer; returns the last loss."""
         x, y = np.stack(self.features), np.array(self.labels, dtype=np.float32)
-        pos = max(y.mean(), 1e-3)
-        w = np.where(y > 0.5, 0.5 / pos, 0.5 / max(1 - pos, 1e-3)).astype(np.float32)  # balance classes
         rng = np.random.default_rng(seed + self.rounds)
 
-        def loss_fn(head, xb, yb, wb):
-            return (nn.losses.binary_cross_entropy(head(xb), yb, reduction="none") * wb).mean()
+        def loss_fn(head, xb, yb):
+            return nn.losses.binary_cross_entropy(head(xb), yb, reduction="mean")
 
         step = nn.value_and_grad(self.head, loss_fn)
         loss = mx.array(0.0)
         for _ in range(steps):
             idx = rng.integers(0, len(y), min(batch, len(y)))
-            loss, grads = step(self.head, mx.array(x[idx]), mx.array(y[idx]), mx.array(w[idx]))
+            loss, grads = step(self.head, mx.array(x[idx]), mx.array(y[idx]))
             self.opt.update(self.head, grads)
             mx.eval(self.head.parameters(), self.opt.state, loss)
         return loss.item()
@@ -153,10 +163,13 @@ class DraftPolicy:
         atomic_write_bytes(path, buf.getvalue())
 
     def load(self, path: str | Path) -> None:
-        """Continue from a saved head (a missing file leaves the policy untrained)."""
+        """Continue from a saved head (a missing file, or a head on other features,
+        leaves the policy untrained)."""
         if not Path(path).exists():
             return
         with np.load(path) as data:
+            if (data["features"].shape[1] > 3) != self.cfg.hidden:
+                return  # learned on other features: start afresh
             self.features = list(data["features"].astype(np.float32))
             self.labels = data["labels"].tolist()
             self.rounds = int(data["rounds"])

@@ -21,7 +21,7 @@ from mlx_lm.sample_utils import apply_top_p
 
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
-from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, token_features
+from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
 from omnidraft_mlx.translate import complete_utf8, translate_text, translate_tokens
 
 PREFILL_CHUNK = 512
@@ -207,7 +207,7 @@ def speculative_generate(
                 q = np.where(draft_mask, q, 0.0) if draft_mask is not None else q
                 q = q / q.sum()
                 d = int(rng.choice(len(q), p=q))
-            f = token_features(hidden, logits, d, i) if policy.needs_features else None
+            f = policy.features_of(hidden, logits, d, i) if policy.needs_features else None
             if not policy.wants(i, logits, d, f):
                 break
             ids.append(d), probs.append(q), feats.append(f)

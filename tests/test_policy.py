@@ -63,6 +63,18 @@ def test_learned_head_learns_acceptance(cross):
     pos, neg = scores[y > 0.5], scores[y < 0.5]
     auc = (pos[:, None] > neg[None, :]).mean()
     assert auc > 0.75, f"head AUC {auc:.2f}"
+    # Plain BCE keeps P(accept) calibrated: the stopping rule multiplies these probabilities.
+    assert abs(float(mx.sigmoid(mx.array(scores)).mean()) - y.mean()) < 0.1
+
+
+def test_saved_head_on_other_features_is_not_reused(cross, tmp_path):
+    with_hidden = DraftPolicy(PolicyConfig(name="learned", k=4, hidden=True))
+    run(cross, with_hidden, PROMPTS[:2])
+    assert with_hidden.features[0].shape[0] > 3
+    with_hidden.save(tmp_path / "head.npz")
+    fresh = DraftPolicy(PolicyConfig(name="learned", k=4))
+    fresh.load(tmp_path / "head.npz")
+    assert fresh.head is None and not fresh.labels
 
 
 def test_labels_follow_the_text(cross):
