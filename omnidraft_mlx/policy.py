@@ -4,11 +4,12 @@ Drafting a token the target will reject wastes a drafter forward; stopping
 early wastes a chance to emit several tokens per target forward. Policies:
 - `fixed`: always k tokens;
 - `confidence`: stop when the drafter's top probability falls below p_min
-  (llama.cpp's rule);
+  (llama.cpp's rule, applied before paying for the next token);
 - `heuristic`: k grows by 2 after a fully accepted round, shrinks by 1
   otherwise (transformers' assisted generation);
 - `learned`: a small acceptance head on the drafter's features predicts
-  P(accept | previous accepted); stop when 1 - prod P > gamma (OmniDraft).
+  P(accept | previous accepted); stop when 1 - prod P > gamma (OmniDraft),
+  the next token's P estimated by the last one's, so no forward is wasted.
   Trained online from the verification of the translated target tokens, so it
   works across vocabularies.
 
@@ -104,13 +105,18 @@ class DraftPolicy:
     def features_of(self, hidden: mx.array, logits: mx.array, token: int, depth: int) -> mx.array:
         return token_features(hidden if self.cfg.hidden else None, logits, token, depth)
 
-    def wants(self, depth: int, logits: mx.array, token: int, features: mx.array | None) -> bool:
-        """Whether to propose the token just drafted at this depth (the first always)."""
+    def wants_more(self, logits: mx.array, token: int, features: mx.array | None) -> bool:
+        """Whether to draft one more token after the one just drafted (from `logits`).
+
+        Deciding before the drafter forward that the next token costs (rather than
+        after it, on the next token's own features) saves a wasted forward per
+        round; the token just drafted stands in for the next one."""
         if self.cfg.name == "confidence":
-            return depth == 0 or mx.softmax(logits)[token].item() >= self.cfg.p_min
+            return mx.softmax(logits)[token].item() >= self.cfg.p_min
         if self.cfg.name == "learned" and self.ready:
-            self._survival *= mx.sigmoid(self.head(features)).item()
-            return depth == 0 or 1.0 - self._survival <= self.cfg.gamma
+            p = mx.sigmoid(self.head(features)).item()
+            self._survival *= p
+            return 1.0 - self._survival * p <= self.cfg.gamma  # P(a rejection by the next token)
         return True
 
     def observe(self, features: list[mx.array], accepted: list[bool]) -> None:

@@ -208,8 +208,6 @@ def speculative_generate(
                 q = q / q.sum()
                 d = int(rng.choice(len(q), p=q))
             f = policy.features_of(hidden, logits, d, i) if policy.needs_features else None
-            if not policy.wants(i, logits, d, f):
-                break
             ids.append(d), probs.append(q), feats.append(f)
             if d in vmap.draft_eos:
                 break
@@ -219,9 +217,11 @@ def speculative_generate(
                 t = translate_tokens(ids, vmap, ngrams)
                 if t.consumed < len(ids) and not t.open_ngram:
                     break  # unverifiable: drafting further is wasted
-            if i < limit - 1:
-                logits, hidden = drafter.feed([d])
-                stats.draft_forwards += 1
+            # A drafter forward is the price of the next token: pay it only if the policy expects a keeper.
+            if i == limit - 1 or not policy.wants_more(logits, d, f):
+                break
+            logits, hidden = drafter.feed([d])
+            stats.draft_forwards += 1
         return ids, probs, feats
 
     t_start = time.perf_counter()
