@@ -65,7 +65,7 @@ def chat(
     target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help="Target: catalog name, directory, .gguf or hub id."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     k: int = typer.Option(4, "--k", "-k", help="Draft tokens per round."),
-    policy: str = typer.Option("fixed", "--policy", help="Draft length: fixed, confidence, heuristic or learned (its head is saved in the profile)."),
+    policy: str = typer.Option("learned", "--policy", help="Draft length: learned (default: fixed --k until its head has learned; saved in the profile), fixed, confidence or heuristic."),
     gamma: float = typer.Option(0.5, "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),

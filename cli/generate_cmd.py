@@ -58,7 +58,7 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     translation: str = typer.Option("text", "--translation", help="Greedy draft translation: text or tokens."),
     sampling: str = typer.Option("exact", "--sampling", help="Sampling mode: exact (lossless) or omnidraft (+n-grams)."),
-    policy: str = typer.Option("fixed", "--policy", help="Draft length: fixed, confidence, heuristic or learned."),
+    policy: str = typer.Option("learned", "--policy", help="Draft length: learned (default: fixed --k until its head has learned; saved in the profile), fixed, confidence or heuristic."),
     gamma: float = typer.Option(0.5, "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this."),
     max_k: int = typer.Option(8, "--max-k", help="Adaptive policies: most draft tokens per round."),
     show_draft: bool = typer.Option(False, "--show-draft", help="Colour the tokens that came from the drafter."),
