@@ -9,7 +9,7 @@ import typer
 
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
-from omnidraft_mlx.policy import POLICIES, DraftPolicy, PolicyConfig
+from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy
 
 
 def _samples(corpus: Optional[str], task: Optional[str], n_eval: int):
@@ -65,8 +65,7 @@ def adapt(
 
     if mode not in (None, "stream", "text"):
         raise OmniDraftError(f"unknown --mode '{mode}': use stream or text")
-    if policy not in POLICIES:
-        raise OmniDraftError(f"unknown --policy '{policy}': use one of {', '.join(POLICIES)}")
+    check_policy(policy)
     if min(interval, batch, steps, max_len, k, max_tokens) < 1 or n_eval < 0 or rank < 0:
         raise OmniDraftError("--interval, --batch, --steps, --max-len, --k and --max-tokens must be at least 1")
     samples, held, key = _samples(corpus, task, n_eval)

@@ -84,13 +84,12 @@ def chat(
     from omnidraft_mlx.cli.main import console, err_console
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.policy import POLICIES, DraftPolicy, PolicyConfig
+    from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy
     from omnidraft_mlx.profile import load_profile
 
     if max_tokens < 1 or k < 1 or adapt_every < 1:
         raise OmniDraftError("--max-tokens, --k and --adapt-every must be at least 1")
-    if policy not in POLICIES:
-        raise OmniDraftError(f"unknown --policy '{policy}': use one of {', '.join(POLICIES)}")
+    check_policy(policy)
     if context is not None and context < 64:
         raise OmniDraftError("--context must be at least 64 tokens")
     warn_if_slow_blas(err_console)
@@ -103,13 +102,14 @@ def chat(
         learner = make_learner(pair, profile, adapt_every) if adapt else None
     cfg = ChatConfig(k, temp, top_p, max_tokens, seed, context, adapt)
     draft_policy = DraftPolicy(PolicyConfig(name=policy, k=k, gamma=gamma))
-    on_save = None
     if profile:
         draft_policy.load(profile.head_path)
 
-        def on_save() -> None:
-            profile.save_ngrams()
-            draft_policy.save(profile.head_path)
+    def save_profile() -> None:
+        profile.save_ngrams()
+        draft_policy.save(profile.head_path)
+
+    on_save = save_profile if profile else None
     session = ChatSession(pair, cfg, Conversation(system), learner, on_save, draft_policy)
     with console.status("timing the target's plain decoding step (for the speedup estimate)"):
         session.measure_plain_speed()

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import sys
-import time
 from typing import Optional
 
 import typer
 from rich.text import Text
 
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.policy import POLICIES, DraftPolicy, PolicyConfig
+from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy
 from omnidraft_mlx.textstream import TextStream
 from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -80,8 +79,7 @@ def generate(
         raise OmniDraftError(f"unknown --sampling '{sampling}': use exact or omnidraft")
     if max_tokens < 1:
         raise OmniDraftError("--max-tokens must be at least 1")
-    if policy not in POLICIES:
-        raise OmniDraftError(f"unknown --policy '{policy}': use one of {', '.join(POLICIES)}")
+    check_policy(policy)
     if not quiet:
         warn_if_slow_blas(err_console)
     messages = user_messages(prompt, system)

@@ -61,7 +61,6 @@ def export(out: str = typer.Argument(..., help="Archive to write (.tar.gz)."),
 
     from omnidraft_mlx.atomic import atomic_write_bytes
     from omnidraft_mlx.cli.main import console
-    from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
     from omnidraft_mlx.profile import load_profile
 
     profile = load_profile(draft, target)
@@ -69,9 +68,9 @@ def export(out: str = typer.Argument(..., help="Archive to write (.tar.gz)."),
         raise OmniDraftError(f"no profile for {draft} -> {target} to export")
     # Everything the profile holds (files of other learners too, e.g. the acceptance head),
     # but no temporary file of a save in progress and no superseded weights.
-    stale = {f for f in os.listdir(profile.path) if f.endswith(".safetensors")} - set(
-        profile.manifest.get("files", {}).values())
-    names = sorted(f for f in os.listdir(profile.path) if not f.startswith(".") and f not in stale)
+    current = set(profile.manifest.get("files", {}).values())
+    names = sorted(f for f in os.listdir(profile.path)
+                   if not f.startswith(".") and (not f.endswith(".safetensors") or f in current))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for name in names:

@@ -35,8 +35,16 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from omnidraft_mlx.atomic import atomic_write_bytes
+from omnidraft_mlx.errors import OmniDraftError
 
 POLICIES = ("fixed", "confidence", "heuristic", "learned")
+
+
+def check_policy(name: str) -> str:
+    """The name of a draft-length policy, or a one-line error naming the choices."""
+    if name not in POLICIES:
+        raise OmniDraftError(f"unknown --policy '{name}': use one of {', '.join(POLICIES)}")
+    return name
 
 
 @dataclass

@@ -22,7 +22,7 @@ from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import make_pair
 from omnidraft_mlx.profile import Profile, load_profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.speculative import SpecConfig
 from omnidraft_mlx.vocab import VocabMap
 
 # The target's tokenizer learned from json/textwrap/typing: it merges these words, the drafter's does not.

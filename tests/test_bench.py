@@ -6,7 +6,6 @@ that the machinery measures the right things and that greedy outputs agree.
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import typer
