@@ -44,7 +44,7 @@ def adapt(
     rank: int = typer.Option(32, "--rank", help="LoRA rank; 0 = full fine-tuning (a new profile only)."),
     layers: int = typer.Option(-1, "--layers", help="Train the last N blocks; -1 = all (a new profile only)."),
     batch: int = typer.Option(8, "--batch", help="Sequences per gradient step."),
-    steps: int = typer.Option(1, "--steps", help="Passes over the buffer per update."),
+    steps: int = typer.Option(1, "--steps", help="Gradient steps on each batch (one target forward serves them all)."),
     max_len: int = typer.Option(512, "--max-len", help="Most tokens per training sequence."),
     k: int = typer.Option(4, "--k", "-k", help="Draft tokens per round (stream mode and evaluation)."),
     policy: str = typer.Option("learned", "--policy", help="Draft length while streaming: fixed, confidence, heuristic or learned (its acceptance head learns alongside and is saved in the profile)."),

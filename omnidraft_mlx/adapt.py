@@ -109,15 +109,15 @@ def task_corpus(task: str, split: str = "adapt") -> list[Sample]:
 class UpdateReport:
     update: int  # updates in the profile so far
     examples: int
-    batch: int
+    steps_per_batch: int
     steps: list[StepStats] = field(default_factory=list)
     seconds: float = 0.0
     save_s: float = 0.0
 
     @property
     def loss(self) -> float:
-        """Mean loss of the first pass: on replies the drafter had not been trained on yet."""
-        first = self.steps[: -(-self.examples // self.batch)]
+        """Mean loss of each batch's first step: on replies the drafter had not been trained on yet."""
+        first = self.steps[:: self.steps_per_batch]
         return sum(s.loss for s in first) / len(first) if first else float("nan")
 
     @property
@@ -178,7 +178,7 @@ class OnlineLearner:
         start = time.perf_counter()
         steps = self.distiller.update(self.buffer)
         self.updates += 1
-        report = UpdateReport(self.updates, len(self.buffer), self.cfg.batch, steps)
+        report = UpdateReport(self.updates, len(self.buffer), self.cfg.steps, steps)
         report.seconds = time.perf_counter() - start
         self.buffer = []
         if self.profile is not None:

@@ -9,9 +9,10 @@ Per draft position of a verified sequence:
   target token.
 The loss is averaged over the positions that carry either term.
 
-Target distributions are recomputed by one teacher-forced target forward per
-update, only for the mapped columns at direct positions (nothing is stored
-between updates but token ids).
+Target distributions are computed by one teacher-forced target forward per
+batch, only for the mapped columns at direct positions, and reused by that
+batch's `steps` gradient steps (nothing is stored between updates but token
+ids; memory stays that of one batch).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class DistillConfig:
     lora_scale: float = 2.0  # mlx-lm's LoRA scale (alpha / rank)
     layers: int = -1  # blocks to train, counted from the last; -1 = all
     batch: int = 8  # sequences per gradient step
-    steps: int = 1  # passes over the buffer per update
+    steps: int = 1  # gradient steps per batch (one target forward serves them all)
     max_len: int = 512  # tokens per sequence (longer ones are cut)
 
     @classmethod
@@ -191,34 +192,34 @@ class Distiller:
         self.opt = optim.AdamW(learning_rate=cfg.lr, betas=[0.9, 0.999], weight_decay=cfg.weight_decay)
         self.grad_fn = nn.value_and_grad(pair.draft, distill_loss)
 
-    def step(self, batch: list[Example]) -> StepStats:
+    def steps(self, batch: list[Example]) -> list[StepStats]:
+        """cfg.steps gradient steps on one batch; the target runs once for all of them."""
         import time
 
         t0 = time.perf_counter()
         batch = [e for e in batch if e.positions]
         if not batch:
-            return StepStats()
+            return []
         target_logp = target_logprobs(self.pair, batch, self.target_cols)
         x = _pad([e.draft_ids for e in batch])
         width = x.shape[1]
         direct = _flat([e.direct_draft for e in batch], width)
         ngram = _flat([e.ngram_pos for e in batch], width)
         ngram_tok = mx.array(np.concatenate([e.ngram_tok for e in batch]).astype(np.int32))
-        (loss, kl, nll), grads = self.grad_fn(
-            self.pair.draft, x, direct, target_logp, ngram, ngram_tok, self.draft_cols, self.cfg.lam
-        )
-        self.opt.update(self.pair.draft, grads)
-        mx.eval(loss, kl, nll, self.pair.draft.trainable_parameters(), self.opt.state)
-        n_d, n_n = direct.size, ngram.size
-        return StepStats(
-            loss=loss.item(), kl=kl.item() / max(1, n_d), nll=nll.item() / max(1, n_n), direct=n_d,
-            ngram=n_n, tokens=sum(len(e.draft_ids) for e in batch), seconds=time.perf_counter() - t0,
-        )
-
-    def update(self, examples: list[Example]) -> list[StepStats]:
-        """cfg.steps passes over the examples in batches of cfg.batch."""
+        n_d, n_n, tokens = direct.size, ngram.size, sum(len(e.draft_ids) for e in batch)
         out = []
         for _ in range(self.cfg.steps):
-            for i in range(0, len(examples), self.cfg.batch):
-                out.append(self.step(examples[i : i + self.cfg.batch]))
+            (loss, kl, nll), grads = self.grad_fn(
+                self.pair.draft, x, direct, target_logp, ngram, ngram_tok, self.draft_cols, self.cfg.lam
+            )
+            self.opt.update(self.pair.draft, grads)
+            mx.eval(loss, kl, nll, self.pair.draft.trainable_parameters(), self.opt.state)
+            t1 = time.perf_counter()
+            out.append(StepStats(loss=loss.item(), kl=kl.item() / max(1, n_d), nll=nll.item() / max(1, n_n),
+                                 direct=n_d, ngram=n_n, tokens=tokens, seconds=t1 - t0))
+            t0 = t1
         return out
+
+    def update(self, examples: list[Example]) -> list[StepStats]:
+        """cfg.steps gradient steps on each batch of cfg.batch examples, batch after batch."""
+        return [s for i in range(0, len(examples), self.cfg.batch) for s in self.steps(examples[i : i + self.cfg.batch])]
