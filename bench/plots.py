@@ -104,17 +104,21 @@ def plot_time_split(result: dict, path: Path) -> None:
 
 
 def plot_gamma(result: dict, path: Path) -> None:
-    """The learned policy against its threshold gamma, the best fixed k beside it."""
+    """The learned policy against its threshold gamma; gamma auto and the best fixed k beside it."""
     rows = _rows(result)
     tasks, _ = _names(result)
-    learned = sorted((m["gamma"], m["name"]) for m in result["config"]["methods"] if m.get("gamma") is not None)
-    fixed = [m["name"] for m in result["config"]["methods"] if m["kind"] == "ours" and m["policy"] == "fixed"]
+    methods = result["config"]["methods"]
+    learned = sorted((m["gamma"], m["name"]) for m in methods if m["policy"] == "learned" and m["gamma"] is not None)
+    auto = next((m["name"] for m in methods if m["policy"] == "learned" and m["gamma"] is None), None)
+    fixed = [m["name"] for m in methods if m["kind"] == "ours" and m["policy"] == "fixed"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for i, task in enumerate(tasks):
         color, style = f"C{i}", dict(marker="o", lw=2.2 if task == ALL else 1)
         gammas = [g for g, _ in learned]
         axes[0].plot(gammas, [rows[task, m]["speedup_median"] for _, m in learned], color=color, label=task, **style)
         axes[1].plot(gammas, [rows[task, m]["tokens_per_forward"] for _, m in learned], color=color, **style)
+        if auto:
+            axes[0].axhline(rows[task, auto]["speedup_median"], color=color, ls="--", lw=1, label=f"{task}: gamma auto")
         if fixed:
             best = max(fixed, key=lambda m: rows[task, m]["speedup_median"])
             axes[0].axhline(rows[task, best]["speedup_median"], color=color, ls=":", lw=1,
@@ -145,7 +149,7 @@ def write_plots(result: dict, out: Path) -> dict[str, Path]:
     plot_speedup(result, files["speedup"])
     plot_k_sweep(result, files["k_sweep"])
     plot_time_split(result, files["time_split"])
-    if sum(m.get("gamma") is not None for m in result["config"]["methods"]) > 1:
+    if sum(m["policy"] == "learned" for m in result["config"]["methods"]) > 1:
         files["gamma"] = out / "gamma.png"
         plot_gamma(result, files["gamma"])
     return files

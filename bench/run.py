@@ -57,7 +57,7 @@ class BenchConfig:
     mlx_lm: bool = True  # add mlx-lm's speculative decoding where the vocabularies match
     time_limit_s: float | None = None  # start no new prompt after this long (whole prompts only)
     policies: list[str] = field(default_factory=list)  # adaptive draft-length policies to add
-    gammas: list[float] = field(default_factory=lambda: [0.5])  # the learned policy's stopping thresholds
+    gammas: list[float | None] = field(default_factory=lambda: [None])  # the learned policy's thresholds (None: auto)
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Method:
     k: int | None = None
     translation: str | None = None
     policy: str = "fixed"
-    gamma: float | None = None  # learned policy only
+    gamma: float | None = None  # learned policy only; None = auto
 
 
 def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
@@ -79,7 +79,7 @@ def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
     # Adaptive policies start from (and, untrained, behave like) the largest k.
     for p in cfg.policies:
         for g in cfg.gammas if p == "learned" else [None]:
-            name = f"ours-{p}" + (f"-g{g:g}" if g is not None and len(cfg.gammas) > 1 else "")
+            name = f"ours-{p}" + (f"-g{'auto' if g is None else f'{g:g}'}" if p == "learned" and len(cfg.gammas) > 1 else "")
             methods.append(Method(name, "ours", max(cfg.ks), cfg.translations[0], p, g))
     if same_vocab and cfg.mlx_lm:
         methods += [Method(f"mlxlm-k{k}", "mlxlm", k) for k in cfg.ks]
@@ -92,8 +92,7 @@ def make_policies(cfg: BenchConfig, methods: list[Method], profile: dict | None)
     policies = {}
     for m in methods:
         if m.kind == "ours":
-            gamma = {} if m.gamma is None else {"gamma": m.gamma}
-            policies[m.name] = DraftPolicy(PolicyConfig(name=m.policy, k=m.k, **gamma))
+            policies[m.name] = DraftPolicy(PolicyConfig(name=m.policy, k=m.k, gamma=m.gamma))
             if m.policy == "learned" and profile is not None:
                 policies[m.name].load(Path(profile["path"]) / HEAD)
     return policies
@@ -220,6 +219,8 @@ def run_one(pair, method: Method, prompt: Prompt, max_tokens: int, policy: Draft
     record["acceptance"] = record["accepted"] / record["proposed"] if record["proposed"] else None
     record["tokens_per_forward"] = tokens / record["rounds"] if record["rounds"] else None
     record["ngram_cache_size"] = len(pair.ngrams) if method.kind == "ours" else None
+    # The threshold in force at the end (gamma auto follows the measured costs).
+    record["gamma"] = policy.gamma if policy is not None and policy.cfg.name == "learned" else None
     return record
 
 

@@ -15,14 +15,13 @@ from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 QUICK_PROMPTS, QUICK_TOKENS = 1, 32
 
 
-def _numbers(text: str, what: str, kind=int, example: str = "3,4,5") -> list:
+def _integers(text: str, what: str) -> list[int]:
     try:
-        values = [kind(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         values = []
     if not values:
-        noun = "integers" if kind is int else "numbers"
-        raise OmniDraftError(f"{what} takes comma-separated {noun}, e.g. {example} (got '{text}')")
+        raise OmniDraftError(f"{what} takes comma-separated integers, e.g. 3,4,5 (got '{text}')")
     return values
 
 
@@ -46,7 +45,7 @@ def bench(
     k: str = typer.Option("3,4,5", "--k", "-k", help="Draft lengths to compare, comma-separated."),
     translation: str = typer.Option("text", "--translation", help="Draft translation(s): text, tokens or text,tokens."),
     policy: str = typer.Option("", "--policy", help="Adaptive draft-length policies to add: confidence,heuristic,learned."),
-    gamma: str = typer.Option("0.5", "--gamma", help="The learned policy's stopping threshold(s), comma-separated (one method each)."),
+    gamma: str = typer.Option("auto", "--gamma", help="The learned policy's stopping threshold(s), comma-separated (one method each); auto: from measured costs."),
     prompts: Optional[int] = typer.Option(None, "--prompts", help="Held-out prompts per task (default 6; --quick: 1)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Tokens per generation (default 96; --quick: 32)."),
     quick: bool = typer.Option(False, "--quick", help="A few short prompts: a check in minutes, not a measurement."),
@@ -90,17 +89,18 @@ def bench(
 
     from omnidraft_mlx.bench.report import write_results
     from omnidraft_mlx.bench.run import BenchConfig, run_bench
+    from omnidraft_mlx.policy import parse_gamma
 
     if task != "all" and task not in TASKS:
         raise OmniDraftError(f"unknown --task '{task}': use code, math, chat or all")
     cfg = BenchConfig(
         draft=draft, target=target, tasks=list(TASKS) if task == "all" else [task],
-        ks=_numbers(k, "--k"), translations=[t.strip() for t in translation.split(",") if t.strip()],
+        ks=_integers(k, "--k"), translations=[t.strip() for t in translation.split(",") if t.strip()],
         prompts=prompts or (QUICK_PROMPTS if quick else 6),
         max_tokens=max_tokens or (QUICK_TOKENS if quick else 96),
         shortest=quick, use_profile=not no_profile, mlx_lm=not no_mlx_lm,
         time_limit_s=None if time_limit is None else 60 * time_limit,
-        policies=[p.strip() for p in policy.split(",") if p.strip()], gammas=_numbers(gamma, "--gamma", float, "0.3,0.5,0.7"),
+        policies=[p.strip() for p in policy.split(",") if p.strip()], gammas=[parse_gamma(g) for g in gamma.split(",")],
     )
     out = out or Path("omnidraft-bench") / f"{_slug(draft)}__{_slug(target)}"
     with _progress() as progress:

@@ -66,7 +66,7 @@ def chat(
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     k: int = typer.Option(4, "--k", "-k", help="Draft tokens per round."),
     policy: str = typer.Option("learned", "--policy", help="Draft length: learned (default: fixed --k until its head has learned; saved in the profile), fixed, confidence or heuristic."),
-    gamma: float = typer.Option(0.5, "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this."),
+    gamma: str = typer.Option("auto", "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this; auto: set from the measured drafter and target costs."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Most tokens per reply."),
@@ -84,12 +84,13 @@ def chat(
     from omnidraft_mlx.cli.main import console, err_console
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy
+    from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy, parse_gamma
     from omnidraft_mlx.profile import load_profile
 
     if max_tokens < 1 or k < 1 or adapt_every < 1:
         raise OmniDraftError("--max-tokens, --k and --adapt-every must be at least 1")
     check_policy(policy)
+    stop_gamma = parse_gamma(gamma)
     if context is not None and context < 64:
         raise OmniDraftError("--context must be at least 64 tokens")
     warn_if_slow_blas(err_console)
@@ -101,7 +102,7 @@ def chat(
         pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile.ngrams if profile else None)
         learner = make_learner(pair, profile, adapt_every) if adapt else None
     cfg = ChatConfig(k, temp, top_p, max_tokens, seed, context, adapt)
-    draft_policy = DraftPolicy(PolicyConfig(name=policy, k=k, gamma=gamma))
+    draft_policy = DraftPolicy(PolicyConfig(name=policy, k=k, gamma=stop_gamma))
     if profile:
         draft_policy.load(profile.head_path)
 

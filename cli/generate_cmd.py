@@ -9,7 +9,7 @@ import typer
 from rich.text import Text
 
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy
+from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy, parse_gamma
 from omnidraft_mlx.textstream import TextStream
 from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -58,7 +58,7 @@ def generate(
     translation: str = typer.Option("text", "--translation", help="Greedy draft translation: text or tokens."),
     sampling: str = typer.Option("exact", "--sampling", help="Sampling mode: exact (lossless) or omnidraft (+n-grams)."),
     policy: str = typer.Option("learned", "--policy", help="Draft length: learned (default: fixed --k until its head has learned; saved in the profile), fixed, confidence or heuristic."),
-    gamma: float = typer.Option(0.5, "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this."),
+    gamma: str = typer.Option("auto", "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this; auto: set from the measured drafter and target costs."),
     max_k: int = typer.Option(8, "--max-k", help="Adaptive policies: most draft tokens per round."),
     show_draft: bool = typer.Option(False, "--show-draft", help="Colour the tokens that came from the drafter."),
     no_profile: bool = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile."),
@@ -80,6 +80,7 @@ def generate(
     if max_tokens < 1:
         raise OmniDraftError("--max-tokens must be at least 1")
     check_policy(policy)
+    stop_gamma = parse_gamma(gamma)
     if not quiet:
         warn_if_slow_blas(err_console)
     messages = user_messages(prompt, system)
@@ -110,7 +111,7 @@ def generate(
                          translation=translation, sampling=sampling)
         stats = SpecStats()
         printer = Printer(pair.vmap.target_bytes, console, show_draft, quiet)
-        draft_policy = DraftPolicy(PolicyConfig(name=policy, k=k, max_k=max_k, gamma=gamma))
+        draft_policy = DraftPolicy(PolicyConfig(name=policy, k=k, max_k=max_k, gamma=stop_gamma))
         head_path = profile.head_path if profile is not None else None
         if head_path is not None:
             draft_policy.load(head_path)

@@ -236,7 +236,7 @@ def speculative_generate(
     y, committed, text = target_prompt[-1], [], bytearray()
     while len(committed) < cfg.max_tokens:
         # 1. Draft, then translate into target tokens.
-        t0 = time.perf_counter()
+        t0, forwards = time.perf_counter(), stats.draft_forwards
         if stats.rounds:
             logits, hidden = drafter.sync(bytes(text), committed)
         draft_ids, probs, feats = draft(logits, hidden, min(policy.max_len, cfg.max_tokens - len(committed)))
@@ -275,6 +275,8 @@ def speculative_generate(
         stats.round_ends[why] = stats.round_ends.get(why, 0) + 1
         stats.draft_s += t1 - t0
         stats.verify_s += t3 - t2
+        # Drafter forwards this round: the drafted tokens', after the first round one re-sync.
+        policy.time_round(t1 - t0, stats.draft_forwards - forwards + (stats.rounds > 1), t3 - t0, len(new))
         stop = next((i for i, t in enumerate(new) if t in target_eos), None)
         new = new[:stop][: cfg.max_tokens - len(committed)]
         committed += new

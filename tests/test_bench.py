@@ -117,12 +117,12 @@ def test_bench_cross_vocab_end_to_end(tiny_dirs, home, tmp_path):
 def test_bench_compares_draft_length_policies(tiny_dirs, home, tmp_path):
     out = tmp_path / "out"
     r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--task", "code",
-               "--k", "3", "--policy", "confidence,heuristic,learned", "--gamma", "0.2,0.8", "--prompts", "2",
+               "--k", "3", "--policy", "confidence,heuristic,learned", "--gamma", "0.2,auto,0.8", "--prompts", "2",
                "--max-tokens", "24", "--out", str(out))
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
     check_records(result, ["plain", "ours-k3", "ours-confidence", "ours-heuristic", "ours-learned-g0.2",
-                           "ours-learned-g0.8"])
+                           "ours-learned-gauto", "ours-learned-g0.8"])
     assert (out / "gamma.png").stat().st_size > 0
     drafted = {}
     for rec in result["records"]:
@@ -165,7 +165,7 @@ def test_mismatch_reports_position_and_logit_gap(tiny):
     (["--task", "poetry"], "unknown --task"),
     (["--k", "0"], "at least 1"),
     (["--k", "three"], "comma-separated integers"),
-    (["--policy", "learned", "--gamma", "half"], "comma-separated numbers"),
+    (["--policy", "learned", "--gamma", "half"], "--gamma takes a probability between 0 and 1 or 'auto'"),
     (["--translation", "bytes"], "unknown --translation"),
     (["--forward-cost", ","], "needs model names"),
 ])

@@ -50,6 +50,25 @@ def test_heuristic_policy_adapts_length():
     assert policy.max_len == 5
 
 
+def test_gamma_auto_follows_measured_costs():
+    """gamma = 1 - (s per drafter forward) * (tokens per s): a cheap drafter drafts further."""
+    cheap, dear, fixed = (DraftPolicy(PolicyConfig(name="learned", gamma=g)) for g in (None, None, 0.4))
+    assert cheap.gamma == dear.gamma == 0.5  # before anything is measured: the start value
+    for _ in range(6):
+        cheap.time_round(draft_s=0.03, forwards=3, round_s=0.23, tokens=3)  # 10 ms per forward, 13 tok/s
+        dear.time_round(draft_s=0.3, forwards=3, round_s=0.5, tokens=3)  # 100 ms per forward, 6 tok/s
+        fixed.time_round(draft_s=0.3, forwards=3, round_s=0.5, tokens=3)
+    assert cheap.gamma == pytest.approx(1 - 0.01 * 3 / 0.23)
+    assert dear.gamma == pytest.approx(1 - 0.1 * 3 / 0.5)
+    assert fixed.gamma == 0.4
+
+
+def test_gamma_auto_is_measured_while_decoding(cross):
+    policy = DraftPolicy(PolicyConfig(name="learned", k=4, warmup=32))
+    run(cross, policy, PROMPTS[:3])
+    assert policy._timed > 4 and 0.0 <= policy.gamma <= 1.0 and policy.gamma != policy.cfg.start_gamma
+
+
 def test_learned_head_learns_acceptance(cross):
     """After online training the head ranks accepted tokens above rejected ones."""
     policy = DraftPolicy(PolicyConfig(name="learned", k=6, warmup=10**9))  # collect, never stop early
