@@ -41,13 +41,13 @@ def heldout(n: int) -> list:
 
 
 def adapt_stream() -> list:
-    """The adaptation split, tasks interleaved, as one stream of prompts."""
-    from omnidraft_mlx.adapt import Sample
-    from omnidraft_mlx.prompts import user_messages
+    """The adaptation split, tasks interleaved, as one stream of conversations
+    (each prompt with its reference answer, which only text mode reads)."""
+    from omnidraft_mlx.adapt import task_corpus
 
-    per_task = [load_task(t, "adapt") for t in TASKS]
+    per_task = [task_corpus(t, "adapt") for t in TASKS]
     n = min(len(p) for p in per_task)
-    return [Sample(messages=user_messages(p.text)) for group in zip(*(p[:n] for p in per_task)) for p in group]
+    return [s for group in zip(*(p[:n] for p in per_task)) for s in group]
 
 
 def evaluate(conditions: dict, prompts: list, k: int, max_tokens: int) -> list[dict]:
@@ -84,7 +84,7 @@ def phase_before(args) -> None:
 
 
 def phase_adapt(args) -> None:
-    from omnidraft_mlx.adapt import Budget, open_learner, stream
+    from omnidraft_mlx.adapt import Budget, open_learner, stream, text
     from omnidraft_mlx.distill import DistillConfig
     from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
     from omnidraft_mlx.speculative import SpecConfig
@@ -103,12 +103,16 @@ def phase_adapt(args) -> None:
         if e.update:
             print(f"update {e.update.update}: loss {e.update.loss:.3f} in {e.update.seconds:.1f}s", flush=True)
 
-    records = stream(learner, adapt_stream(), SpecConfig(k=args.k, max_tokens=args.stream_tokens),
-                     Budget(args.minutes), show)
+    if args.mode == "text":  # teacher-forced on the split's reference answers: no generation
+        records = []
+        text(learner, adapt_stream(), Budget(args.minutes), show)
+    else:
+        records = stream(learner, adapt_stream(), SpecConfig(k=args.k, max_tokens=args.stream_tokens),
+                         Budget(args.minutes), show)
     wall = (json.loads(log.read_text())["wall_s"] if previous else 0.0) + time.monotonic() - start
     _save(log, {"records": previous + records, "history": learner.profile.manifest.get("history", []),
                 "settings": {**cfg.__dict__, "interval": args.interval, "stream_tokens": args.stream_tokens,
-                             "k": args.k}, "wall_s": wall})
+                             "k": args.k, "mode": args.mode}, "position": learner.position, "wall_s": wall})
 
 
 def phase_after(args) -> None:
@@ -136,7 +140,7 @@ def kl_only_drafter(args, pair) -> tuple:
     Greedy replies are the target's own output whatever the drafter, so replaying
     the logged replies in the logged order gives the same training data and
     updates the stream run had: only the loss differs."""
-    from omnidraft_mlx.adapt import OnlineLearner
+    from omnidraft_mlx.adapt import OnlineLearner, asked
     from omnidraft_mlx.distill import DistillConfig, setup_trainable
 
     log = json.loads((args.out / "stream.json").read_text())
@@ -144,7 +148,7 @@ def kl_only_drafter(args, pair) -> tuple:
     setup_trainable(pair.draft, cfg)
     learner, samples = OnlineLearner(pair, cfg, log["settings"]["interval"]), adapt_stream()
     for r in log["records"]:
-        learner.observe(samples[r["position"] - 1].messages, r["reply"])
+        learner.observe(asked(samples[r["position"] - 1].messages), r["reply"])
         learner.maybe_update()
     learner.update()
     print(f"KL-only replay: {learner.updates} updates on {len(log['records'])} replies", flush=True)
@@ -257,6 +261,8 @@ def main() -> None:
     ap.add_argument("--lam", type=float, default=0.2)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--mode", choices=["stream", "text"], default="stream",
+                    help="adapt: stream (Algorithm 2, on-policy) or text (teacher-forced on the reference answers)")
     ap.add_argument("--policy", default="learned", help="adapt: draft-length policy while streaming (its head learns)")
     ap.add_argument("--ablation", action="store_true", help="after: also the adapted drafter without the n-gram cache, and trained with KL only")
     ap.add_argument("--draft", default=DRAFT)

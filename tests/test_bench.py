@@ -5,6 +5,7 @@ that the machinery measures the right things and that greedy outputs agree.
 """
 
 import json
+import re
 import os
 
 import pytest
@@ -47,6 +48,11 @@ def test_tasks_have_fixed_disjoint_splits():
         assert [p.id for p in heldout] == [p.id for p in load_task(task, "heldout")]
     assert (len(load_task("math", "heldout")), len(load_task("code", "heldout")), len(load_task("chat", "heldout"))) == (319, 64, 20)
     assert load_task("code", "heldout")[0].text.startswith("Complete this Python function:\n```python\n")
+    code, math = load_task("code", "adapt")[0], load_task("math", "adapt")[0]
+    stub = code.text.split("```python\n", 1)[1].rstrip("`")
+    assert code.reference.startswith("```python\n" + stub) and len(code.reference) > len(stub) + 20
+    assert "<<" not in math.reference and re.search(r"\nThe answer is [\d,.-]+\.$", math.reference)
+    assert all(p.reference is None for p in load_task("chat", "adapt"))
     with pytest.raises(OmniDraftError, match="unknown task"):
         load_task("poetry", "adapt")
     with pytest.raises(OmniDraftError, match="unknown split"):
