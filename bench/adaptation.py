@@ -127,9 +127,10 @@ def phase_after(args) -> None:
     conds = {"plain": (base, empty, None), "cache-tokens": (base, cache, "tokens"),
              "adapted-text": (adapted, cache, "text"), "adapted-tokens": (adapted, cache, "tokens")}
     if args.ablation:  # the adapted drafter without the n-gram cache; the same learning without the n-gram NLL
-        kl_only = make_pair(*kl_only_drafter(args, make_pair(*load(args.draft), tm, tt)), tm, tt)
-        conds |= {"adapted-nocache-tokens": (adapted, empty, "tokens"), "klonly-text": (kl_only, cache, "text"),
-                  "klonly-tokens": (kl_only, cache, "tokens")}
+        conds["adapted-nocache-tokens"] = (adapted, empty, "tokens")
+        if json.loads((args.out / "stream.json").read_text())["records"]:  # a replay needs the stream's replies
+            kl_only = make_pair(*kl_only_drafter(args, make_pair(*load(args.draft), tm, tt)), tm, tt)
+            conds |= {"klonly-text": (kl_only, cache, "text"), "klonly-tokens": (kl_only, cache, "tokens")}
     _warm(base)
     _write("after", evaluate(conds, heldout(args.prompts), args.k, args.tokens), args)
 
@@ -212,7 +213,7 @@ def phase_report(args) -> None:
     }
     recs = stream_log["records"]
     summary = {"draft": args.draft, "target": args.target, "greedy": True, "heldout": results, "learning_cost": cost,
-               "adaptation": {"prompts_seen": len(recs), "wall_s": stream_log["wall_s"],
+               "adaptation": {"prompts_seen": stream_log.get("position", len(recs)), "wall_s": stream_log["wall_s"],
                               "settings": stream_log["settings"], "ngram_cache": recs[-1]["ngrams"] if recs else 0},
                "environment": after["environment"]}
     _save(args.out / "adaptation.json", summary)
@@ -224,11 +225,16 @@ def phase_report(args) -> None:
         smooth = np.convolve(acc, np.ones(w) / w, mode="valid")
         ax.plot(np.arange(1, len(acc) + 1), acc, ".", alpha=0.3, label="per prompt (on-policy, adapt split)")
         ax.plot(np.arange(w, len(acc) + 1), smooth, "-", label=f"mean of last {w}")
-    for name, res, style in (("held-out before", results["before"]["none-text"], "--"),
-                             ("held-out after", results["after"]["adapted-text"], "-.")):
-        ax.axhline(res["all"]["acceptance"], linestyle=style, color="gray" if "before" in name else "green", label=name)
+    if len(acc):
+        for name, res, style in (("held-out before", results["before"]["none-text"], "--"),
+                                 ("held-out after", results["after"]["adapted-text"], "-.")):
+            ax.axhline(res["all"]["acceptance"], linestyle=style, color="gray" if "before" in name else "green",
+                       label=name)
+        ax.set_ylabel("acceptance (accepted / proposed target tokens)")
+    else:  # text mode decodes nothing while it learns: its loss per update instead
+        ax.plot([h["position"] for h in hist], [h["loss"] for h in hist], "o-", label="distillation loss (new batch)")
+        ax.set_ylabel("loss (reverse KL + lambda NLL, per position)")
     ax.set_xlabel("prompts seen")
-    ax.set_ylabel("acceptance (accepted / proposed target tokens)")
     ax.set_title(f"{Path(args.draft).name} -> {Path(args.target).name}, greedy, text translation")
     ax.legend(fontsize=8)
     bars = [("none\ntext", "before", "none-text"), ("none\ntokens", "before", "none-tokens"),
