@@ -41,13 +41,14 @@ def heldout(n: int) -> list:
 
 
 def adapt_stream() -> list:
-    """The adaptation split, tasks interleaved, as one stream of conversations
+    """The adaptation split, tasks interleaved while both last, as one stream of conversations
     (each prompt with its reference answer, which only text mode reads)."""
     from omnidraft_mlx.adapt import task_corpus
 
-    per_task = [task_corpus(t, "adapt") for t in TASKS]
-    n = min(len(p) for p in per_task)
-    return [s for group in zip(*(p[:n] for p in per_task)) for s in group]
+    from itertools import chain, zip_longest
+
+    per_task = [task_corpus(t, "adapt") for t in TASKS]  # then the longer task's rest (math: 1,000; code: 100)
+    return [s for s in chain.from_iterable(zip_longest(*per_task)) if s is not None]
 
 
 def evaluate(conditions: dict, prompts: list, k: int, max_tokens: int) -> list[dict]:
