@@ -19,6 +19,7 @@ import copy
 import json
 import time
 from dataclasses import replace
+from itertools import chain, zip_longest
 from pathlib import Path
 
 from omnidraft_mlx.bench.run import Method, environment_base, rotated, run_one
@@ -44,8 +45,6 @@ def adapt_stream() -> list:
     """The adaptation split, tasks interleaved while both last, as one stream of conversations
     (each prompt with its reference answer, which only text mode reads)."""
     from omnidraft_mlx.adapt import task_corpus
-
-    from itertools import chain, zip_longest
 
     per_task = [task_corpus(t, "adapt") for t in TASKS]  # then the longer task's rest (math: 1,000; code: 100)
     return [s for s in chain.from_iterable(zip_longest(*per_task)) if s is not None]

@@ -294,11 +294,11 @@ def _window(records: list[dict], n: int) -> dict:
 def text_examples(pair: Pair, sample: Sample, max_len: int, raw: bool = False) -> list[Example]:
     """Teacher-forced examples: the reply of a transcript, else the text in chunks."""
     msgs = sample.messages
-    if msgs and msgs[-1]["role"] == "assistant" and len(msgs) > 1:
+    if msgs and len(prompt := asked(msgs)) < len(msgs):
         reply = list(pair.target_tok.encode(msgs[-1]["content"], add_special_tokens=False))
         pair.learn_ngrams(reply)
-        return [make_example(pair, encode_prompt(pair.draft_tok, msgs[:-1], raw),
-                             encode_prompt(pair.target_tok, msgs[:-1], raw), reply, max_len)]
+        return [make_example(pair, encode_prompt(pair.draft_tok, prompt, raw),
+                             encode_prompt(pair.target_tok, prompt, raw), reply, max_len)]
     text = sample.text if sample.text is not None else "\n\n".join(m["content"] for m in msgs)
     ids = list(pair.target_tok.encode(text, add_special_tokens=False))
     pair.learn_ngrams(ids)

@@ -55,8 +55,8 @@ def parse_gamma(text: str) -> float | None:
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
+        value = None
+    if value is None or not 0.0 <= value <= 1.0:
         raise OmniDraftError(f"--gamma takes a probability between 0 and 1 or 'auto' (got '{text}')")
     return value
 
