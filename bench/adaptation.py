@@ -84,7 +84,7 @@ def phase_before(args) -> None:
 
 
 def phase_adapt(args) -> None:
-    from omnidraft_mlx.adapt import Budget, open_learner, stream, text
+    from omnidraft_mlx.adapt import Budget, batch, open_learner, stream, text
     from omnidraft_mlx.distill import DistillConfig
     from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
     from omnidraft_mlx.speculative import SpecConfig
@@ -106,6 +106,8 @@ def phase_adapt(args) -> None:
     if args.mode == "text":  # teacher-forced on the split's reference answers: no generation
         records = []
         text(learner, adapt_stream(), Budget(args.minutes), show)
+    elif args.mode == "batch":  # the target answers `interval` prompts at once, then an update
+        records = batch(learner, adapt_stream(), args.stream_tokens, Budget(args.minutes), show)
     else:
         records = stream(learner, adapt_stream(), SpecConfig(k=args.k, max_tokens=args.stream_tokens),
                          Budget(args.minutes), show)
@@ -219,7 +221,7 @@ def phase_report(args) -> None:
     _save(args.out / "adaptation.json", summary)
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    acc = np.array([r["acceptance"] for r in recs])
+    acc = np.array([r["acceptance"] for r in recs if "acceptance" in r])  # batch and text modes: none
     w = stream_log["settings"]["interval"]
     if len(acc):
         smooth = np.convolve(acc, np.ones(w) / w, mode="valid")
@@ -267,8 +269,9 @@ def main() -> None:
     ap.add_argument("--lam", type=float, default=0.2)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--mode", choices=["stream", "text"], default="stream",
-                    help="adapt: stream (Algorithm 2, on-policy) or text (teacher-forced on the reference answers)")
+    ap.add_argument("--mode", choices=["stream", "batch", "text"], default="stream",
+                    help="adapt: stream (Algorithm 2, on-policy), batch (the target's replies by batched decoding) "
+                         "or text (teacher-forced on the reference answers)")
     ap.add_argument("--policy", default="learned", help="adapt: draft-length policy while streaming (its head learns)")
     ap.add_argument("--ablation", action="store_true", help="after: also the adapted drafter without the n-gram cache, and trained with KL only")
     ap.add_argument("--draft", default=DRAFT)

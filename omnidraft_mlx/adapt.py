@@ -4,6 +4,12 @@ teacher-forced variant for local documents).
 - stream: prompts arrive one by one; each is answered by speculative decoding;
   the verified reply goes into a buffer; every `interval` prompts the drafter
   takes a distillation update on the buffer, which is then cleared (on-policy).
+- batch: the same data as stream, faster: the target alone answers `interval`
+  prompts at a time by batched greedy decoding, then the drafter learns from
+  the replies. Under greedy decoding a verified reply is the target's own
+  output whatever the drafter, and a batched decoding step costs little more
+  than a single one, so a corpus is learned from several times faster (stream
+  is what happens while the pair is in use).
 - text: teacher-forced distillation directly on documents (or on the replies
   in chat transcripts): one target forward per chunk, no generation.
 After every update the profile is saved (adapter, optimizer, n-grams, corpus
@@ -281,6 +287,35 @@ def stream(learner: OnlineLearner, samples: list[Sample], spec: SpecConfig, budg
         report = learner.update(_window(records, learner.interval)) if len(learner.buffer) >= learner.interval else None
         on_event(Event(done, learner.position, stats.acceptance, report))
     learner.update(_window(records, learner.interval))  # what is left in the buffer
+    return records
+
+
+def batch(learner: OnlineLearner, samples: list[Sample], max_tokens: int, budget: Budget,
+          on_event: Callable[[Event], None] = lambda e: None) -> list[dict]:
+    """The target answers `interval` prompts per batched greedy decoding; an update follows.
+
+    Returns one record per prompt (its reply's target ids)."""
+    from mlx_lm.generate import batch_generate
+
+    pair, records, done = learner.pair, [], 0
+    while learner.position < len(samples) and not budget.spent(done):
+        chunk = samples[learner.position : learner.position + learner.interval]
+        if budget.max_prompts is not None:
+            chunk = chunk[: budget.max_prompts - done]
+        if any(s.messages is None for s in chunk):
+            raise OmniDraftError("batch mode needs prompts (a JSONL corpus or --task); use --mode text for documents")
+        prompts = [asked(s.messages) for s in chunk]
+        ids = [encode_prompt(pair.target_tok, m, learner.raw) for m in prompts]
+        replies = batch_generate(pair.target, pair.target_tok, ids, max_tokens=max_tokens, return_token_ids=True,
+                                 prefill_batch_size=len(ids), completion_batch_size=len(ids)).token_ids
+        for msgs, reply in zip(prompts, replies):
+            pair.learn_ngrams(reply)  # what verification would have taught the cache
+            learner.observe(msgs, reply)
+            learner.position, done = learner.position + 1, done + 1
+            records.append({"position": learner.position, "tokens": len(reply), "ngrams": len(pair.ngrams),
+                            "updates": learner.updates, "reply": reply})
+        report = learner.update({"position": learner.position})
+        on_event(Event(done, learner.position, None, report))
     return records
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from omnidraft_mlx.adapt import Budget, OnlineLearner, Sample, evaluate, read_corpus, stream
+from omnidraft_mlx.adapt import Budget, OnlineLearner, Sample, batch, evaluate, read_corpus, stream
 from omnidraft_mlx.align import align
 from omnidraft_mlx.distill import DistillConfig, Distiller, _pad, distill_loss, make_example, setup_trainable
 from omnidraft_mlx.errors import OmniDraftError
@@ -145,6 +145,25 @@ def test_training_lowers_loss_and_raises_acceptance(tiny_dirs, tiny, rank):
     after = evaluate(pair, prompts, max_tokens=32)["acceptance"]
     assert losses[-1] < losses[0]
     assert after > before + 0.05, (before, after)
+
+
+def test_batch_mode_learns_from_the_targets_own_greedy_replies(tiny_dirs, tiny):
+    from omnidraft_mlx.generate import PlainStats, plain_generate
+
+    dm, dt = load(str(tiny_dirs["draft"]))
+    tm, tt = tiny["target"]
+    cfg = DistillConfig(lr=1e-3, lora_rank=4)
+    setup_trainable(dm, cfg)
+    pair = make_pair(dm, dt, tm, tt)
+    prompts = [user_messages(p) for p in TRAIN_PROMPTS[:3] + ["import json\n\ndef load(path):\n    with", "x = ["]]
+    learner = OnlineLearner(pair, cfg, interval=3)
+    records = batch(learner, [Sample(messages=m) for m in prompts], 12, Budget(max_prompts=4))
+    assert [r["position"] for r in records] == [1, 2, 3, 4] and learner.position == 4
+    assert learner.updates == 2 and not learner.buffer  # 3 prompts, then the 1 the budget left
+    for msgs, r in zip(prompts, records):  # prompts of several lengths share a padded batch
+        plain = list(plain_generate(tm, tt, encode_prompt(tt, msgs), PlainStats(), max_tokens=12))
+        assert r["reply"] == plain  # the replies stream mode would have verified
+    assert len(pair.ngrams) == records[-1]["ngrams"]
 
 
 def make_trained_profile(tmp_path, tiny_dirs, tiny, updates=2):
@@ -313,7 +332,7 @@ def test_adapt_command_resumes_and_profile_commands(tmp_path, tiny_dirs):
     first = omnidraft(*common, "--max-prompts", "4", home=tmp_path)
     assert first.returncode == 0, first.stderr
     assert "position 4/6" in first.stdout and "held-out acceptance" in first.stdout
-    second = omnidraft(*common, "--rank", "8", home=tmp_path)
+    second = omnidraft(*common, "--rank", "8", "--mode", "batch", home=tmp_path)  # resumes in the other mode
     assert second.returncode == 0, second.stderr
     assert "position 6/6" in second.stdout and "update 3" in second.stdout
     assert "continuing the profile's adapter" in second.stderr
@@ -344,8 +363,9 @@ def test_adapt_command_bad_input(tmp_path, tiny_dirs):
     assert out.returncode == 2 and "bad.jsonl:2" in out.stderr and "Traceback" not in out.stderr
     doc = tmp_path / "doc.txt"
     doc.write_text("def add_1(x):\n    return x + 1\n")
-    out = omnidraft("adapt", str(doc), *pair_args, "--mode", "stream", home=tmp_path)
-    assert out.returncode == 2 and "--mode text" in out.stderr
+    for mode in ("stream", "batch"):
+        out = omnidraft("adapt", str(doc), *pair_args, "--mode", mode, home=tmp_path)
+        assert out.returncode == 2 and "--mode text" in out.stderr
     out = omnidraft("adapt", str(doc), *pair_args, "--eval", "0", "--rank", "4", home=tmp_path)  # text mode
     assert out.returncode == 0, out.stderr
     assert "update 1" in out.stdout
