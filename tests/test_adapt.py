@@ -329,10 +329,10 @@ def test_adapt_command_resumes_and_profile_commands(tmp_path, tiny_dirs):
     pair_args = ["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"])]
     common = ["adapt", str(corpus), *pair_args, "--interval", "2", "--max-tokens", "16", "--eval", "2",
               "--eval-tokens", "8", "--rank", "4"]
-    first = omnidraft(*common, "--max-prompts", "4", home=tmp_path)
+    first = omnidraft(*common, "--mode", "stream", "--max-prompts", "4", home=tmp_path)
     assert first.returncode == 0, first.stderr
     assert "position 4/6" in first.stdout and "held-out acceptance" in first.stdout
-    second = omnidraft(*common, "--rank", "8", "--mode", "batch", home=tmp_path)  # resumes in the other mode
+    second = omnidraft(*common, "--rank", "8", home=tmp_path)  # resumes in batch mode, the default for prompts
     assert second.returncode == 0, second.stderr
     assert "position 6/6" in second.stdout and "update 3" in second.stdout
     assert "continuing the profile's adapter" in second.stderr
