@@ -176,6 +176,7 @@ def main() -> None:
     from omnidraft_mlx.models.convert import INFO_FILE
     from omnidraft_mlx.models.pull import _progress, resolve_model
     from omnidraft_mlx.pair import make_pair
+    from omnidraft_mlx.profile import load_profile
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--derived", required=True, help="the derived drafter (a local model name)")
@@ -189,6 +190,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per task")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--cost-rounds", type=int, default=3)
+    parser.add_argument("--adapted", action="store_true",
+                        help="also decode with each drafter's profile for --target (`omnidraft adapt` first)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/derived"))
     args = parser.parse_args()
     ensure_fast_blas()
@@ -208,8 +211,14 @@ def main() -> None:
         del big
         pairs = {"plain": make_pair(full, full_tok, target, target_tok)}
         methods = [("plain", Method("plain", "plain"))]
-        derived_pair = make_pair(derived, derived_tok, target, target_tok)
-        for name, pair, ks in (("full", pairs["plain"], args.full_k), ("derived", derived_pair, args.k)):
+        drafters = [("full", pairs["plain"], args.full_k),
+                    ("derived", make_pair(derived, derived_tok, target, target_tok), args.k)]
+        if args.adapted:  # each drafter again, as its profile for the target left it (adapter, n-gram cache)
+            for name, model_name, ks in (("full", args.full, args.full_k), ("derived", args.derived, args.k)):
+                model, tok = load_model(model_name)
+                profile = load_profile(model_name, args.target, model)
+                drafters.append((f"{name}-adapted", make_pair(model, tok, target, target_tok, profile.ngrams), ks))
+        for name, pair, ks in drafters:
             for k in [int(k) for k in ks.split(",")]:
                 pairs[f"{name}-k{k}"] = pair
                 methods.append((f"{name}-k{k}", Method(f"ours-k{k}", "ours", k, "text")))

@@ -16,16 +16,17 @@ def test_derived_bench_end_to_end(tiny_dirs, home, tmp_path, monkeypatch):  # no
     monkeypatch.setattr(sys, "argv", [
         "derived", "--derived", "tiny-1l", "--full", draft, "--target", target, "--big-target", target,
         "--depths", "1", "--k", "2,3", "--prompts", "1", "--max-tokens", "8", "--cost-rounds", "1",
-        "--out", str(out),
+        "--adapted", "--out", str(out),  # no profiles yet: the adapted drafters decode as they are
     ])
     derived.main()
     assert (out / "derived.png").stat().st_size > 0
     result = json.loads((out / "derived.json").read_text())
-    assert list(result["summary"]) == ["plain", "full-k4", "derived-k2", "derived-k3"]
+    assert list(result["summary"]) == ["plain", "full-k4", "derived-k2", "derived-k3", "full-adapted-k4",
+                                       "derived-adapted-k2", "derived-adapted-k3"]
     assert {"drafter cut to 1 layers", "tiny-1l", draft, target} == set(result["cost_ms"])
     assert result["derived_info"]["kept_layers"] in ([0], [1])
     records = result["records"]
-    assert len(records) == len(result["prompt_ids"]) * 4 == 12  # one prompt per task, code, math and chat
+    assert len(records) == len(result["prompt_ids"]) * 7 == 21  # one prompt per task, code, math and chat
     # Greedy: every speculative output is the target's own.
     assert all(r["equal_to_plain"] for r in records)
     for label, rows in result["summary"].items():
