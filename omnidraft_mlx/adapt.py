@@ -260,6 +260,13 @@ class Event:
     update: UpdateReport | None = None
 
 
+def _prompt(sample: Sample, mode: str) -> list[dict]:
+    """What the models are to answer for a corpus item; documents have nothing to answer."""
+    if sample.messages is None:
+        raise OmniDraftError(f"{mode} mode needs prompts (a JSONL corpus or --task); use --mode text for documents")
+    return asked(sample.messages)
+
+
 def stream(learner: OnlineLearner, samples: list[Sample], spec: SpecConfig, budget: Budget,
            on_event: Callable[[Event], None] = lambda e: None) -> list[dict]:
     """Algorithm 2: answer each prompt speculatively, learn from the verified reply.
@@ -269,10 +276,7 @@ def stream(learner: OnlineLearner, samples: list[Sample], spec: SpecConfig, budg
     for idx in range(learner.position, len(samples)):
         if budget.spent(done):
             break
-        msgs = samples[idx].messages
-        if msgs is None:
-            raise OmniDraftError("stream mode needs prompts (a JSONL corpus or --task); use --mode text for documents")
-        msgs = asked(msgs)
+        msgs = _prompt(samples[idx], "stream")
         stats = SpecStats()
         draft_ids = encode_prompt(pair.draft_tok, msgs, learner.raw)
         target_ids = encode_prompt(pair.target_tok, msgs, learner.raw)
@@ -302,9 +306,7 @@ def batch(learner: OnlineLearner, samples: list[Sample], max_tokens: int, budget
         chunk = samples[learner.position : learner.position + learner.interval]
         if budget.max_prompts is not None:
             chunk = chunk[: budget.max_prompts - done]
-        if any(s.messages is None for s in chunk):
-            raise OmniDraftError("batch mode needs prompts (a JSONL corpus or --task); use --mode text for documents")
-        prompts = [asked(s.messages) for s in chunk]
+        prompts = [_prompt(s, "batch") for s in chunk]
         ids = [encode_prompt(pair.target_tok, m, learner.raw) for m in prompts]
         replies = batch_generate(pair.target, pair.target_tok, ids, max_tokens=max_tokens, return_token_ids=True,
                                  prefill_batch_size=len(ids), completion_batch_size=len(ids)).token_ids
