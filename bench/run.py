@@ -40,6 +40,7 @@ from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, output_head, prefill, speculative_generate
 
 WARMUP_PROMPT = "Say hello."
+BENCH_POLICIES = (*POLICIES[1:], "oracle")  # adaptive policies to compare; the oracle is a bound
 WARMUP_TOKENS = 4
 
 
@@ -86,12 +87,43 @@ def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
     return methods
 
 
-def make_policies(cfg: BenchConfig, methods: list[Method], profile: dict | None) -> dict[str, DraftPolicy]:
+class OraclePolicy(DraftPolicy):
+    """Bench only: shown the target's greedy reply in advance, it drafts exactly as
+    long as the drafted text agrees with it and stops at the first wrong token
+    (proposed for free, no forward paid after it). No draft-length policy can stop
+    better with the same drafter, so its speedup bounds what any of them can gain."""
+
+    def __init__(self, cfg: PolicyConfig, vmap):
+        super().__init__(cfg)
+        self.vmap = vmap
+        self.reply = b""  # the target's greedy reply, set per prompt
+        self.committed = b""  # what the decoding has emitted so far
+        self.drafted = b""
+
+    def start(self, reply: list[int]) -> None:
+        self.reply = b"".join(self.vmap.target_bytes[t] or b"" for t in reply)
+        self.committed = b""
+
+    def advance(self, new: list[int]) -> None:
+        """The decoding emitted `new` (target ids)."""
+        self.committed += b"".join(self.vmap.target_bytes[t] or b"" for t in new)
+
+    def begin_round(self) -> None:
+        self.drafted = b""
+
+    def wants_more(self, logits, token: int, features) -> bool:
+        self.drafted += self.vmap.draft_bytes[token] or b""
+        return self.reply.startswith(self.committed + self.drafted)
+
+
+def make_policies(cfg: BenchConfig, methods: list[Method], profile: dict | None, vmap) -> dict[str, DraftPolicy]:
     """One policy per method for the whole run, so adaptive ones learn across prompts;
     the learned head starts from the profile's (never saved back)."""
     policies = {}
     for m in methods:
-        if m.kind == "ours":
+        if m.policy == "oracle":
+            policies[m.name] = OraclePolicy(PolicyConfig(name=m.policy, k=m.k), vmap)
+        elif m.kind == "ours":
             policies[m.name] = DraftPolicy(PolicyConfig(name=m.policy, k=m.k, gamma=m.gamma))
             if m.policy == "learned" and profile is not None:
                 policies[m.name].load(Path(profile["path"]) / HEAD)
@@ -131,7 +163,11 @@ def _run_plain(pair, target_ids: list[int], max_tokens: int) -> dict:
 def _run_ours(pair, draft_ids, target_ids, method: Method, max_tokens: int, policy: DraftPolicy) -> dict:
     stats = SpecStats()
     cfg = SpecConfig(k=method.k, max_tokens=max_tokens, translation=method.translation)
-    out = [t for new, _ in speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy) for t in new]
+    out = []
+    for new, _ in speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy):
+        out += new
+        if isinstance(policy, OraclePolicy):
+            policy.advance(new)
     return {
         "output": out, "ttft_s": stats.prefill_s, "generate_s": stats.generate_s,
         "tokens_per_s": stats.tokens_per_s, "rounds": stats.rounds,
@@ -303,8 +339,8 @@ def check_config(cfg: BenchConfig) -> None:
         raise OmniDraftError("--k needs draft lengths of at least 1, e.g. --k 3,4,5")
     if bad := [t for t in cfg.translations if t not in ("text", "tokens")]:
         raise OmniDraftError(f"unknown --translation '{bad[0]}': use text, tokens or text,tokens")
-    if bad := [p for p in cfg.policies if p not in POLICIES[1:]]:
-        raise OmniDraftError(f"unknown --policy '{bad[0]}': use confidence, heuristic or learned")
+    if bad := [p for p in cfg.policies if p not in BENCH_POLICIES]:
+        raise OmniDraftError(f"unknown --policy '{bad[0]}': use {', '.join(BENCH_POLICIES)}")
     if cfg.prompts < 1 or cfg.max_tokens < 1:
         raise OmniDraftError("--prompts and --max-tokens must be at least 1")
 
@@ -315,7 +351,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     prompts = select_prompts(cfg)
     pair, profile = load_pair(cfg)
     methods = methods_for(cfg, pair.vmap.same_vocab)
-    policies = make_policies(cfg, methods, profile)
+    policies = make_policies(cfg, methods, profile, pair.vmap)
     ngrams_at_start, env = len(pair.ngrams), environment(cfg)
 
     warm = Prompt("warmup", "chat", WARMUP_PROMPT)
@@ -332,7 +368,11 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         for order, method in enumerate(rotated(methods, i)):
             if progress:
                 progress.update(task, description=f"{prompt.id} {method.name}")
-            record = run_one(pair, method, prompt, cfg.max_tokens, policies.get(method.name))
+            policy = policies.get(method.name)
+            if isinstance(policy, OraclePolicy):  # show it the reply (plain's, or decoded now, untimed)
+                plain = done.get("plain") or run_one(pair, methods[0], prompt, cfg.max_tokens)
+                policy.start(plain["output"])
+            record = run_one(pair, method, prompt, cfg.max_tokens, policy)
             record["order"] = order
             record["load_avg_1m"] = os.getloadavg()[0]  # other work on the machine, for drift
             done[method.name] = record

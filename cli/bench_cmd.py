@@ -44,7 +44,7 @@ def bench(
     task: str = typer.Option("all", "--task", help="code, math, chat or all."),
     k: str = typer.Option("3,4,5", "--k", "-k", help="Draft lengths to compare, comma-separated."),
     translation: str = typer.Option("text", "--translation", help="Draft translation(s): text, tokens or text,tokens."),
-    policy: str = typer.Option("", "--policy", help="Adaptive draft-length policies to add: confidence,heuristic,learned."),
+    policy: str = typer.Option("", "--policy", help="Adaptive draft-length policies to add: confidence,heuristic,learned; oracle (knows the reply: the bound for any policy)."),
     gamma: str = typer.Option("auto", "--gamma", help="The learned policy's stopping threshold(s), comma-separated (one method each); auto: from measured costs."),
     prompts: Optional[int] = typer.Option(None, "--prompts", help="Held-out prompts per task (default 6; --quick: 1)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Tokens per generation (default 96; --quick: 32)."),

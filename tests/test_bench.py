@@ -123,12 +123,12 @@ def test_bench_cross_vocab_end_to_end(tiny_dirs, home, tmp_path):
 def test_bench_compares_draft_length_policies(tiny_dirs, home, tmp_path):
     out = tmp_path / "out"
     r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--task", "code",
-               "--k", "3", "--policy", "confidence,heuristic,learned", "--gamma", "0.2,auto,0.8", "--prompts", "2",
+               "--k", "3", "--policy", "confidence,heuristic,learned,oracle", "--gamma", "0.2,auto,0.8", "--prompts", "2",
                "--max-tokens", "24", "--out", str(out))
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
     check_records(result, ["plain", "ours-k3", "ours-confidence", "ours-heuristic", "ours-learned-g0.2",
-                           "ours-learned-gauto", "ours-learned-g0.8"])
+                           "ours-learned-gauto", "ours-learned-g0.8", "ours-oracle"])
     assert (out / "gamma.png").stat().st_size > 0
     drafted = {}
     for rec in result["records"]:

@@ -117,3 +117,29 @@ def test_learned_policy_saves_and_resumes(cross, tmp_path):
 
     x = mx.array(np.stack(policy.features[:8]))
     assert np.allclose(np.array(resumed.head(x)), np.array(policy.head(x)), atol=1e-5)
+
+
+def test_oracle_drafts_exactly_as_far_as_the_reply_agrees(cross, tiny):
+    """The bench's oracle (shown the target's greedy reply) stays lossless and never
+    pays for a draft token after a wrong one: each round's labels are all kept but
+    at most the last."""
+    from omnidraft_mlx.bench.run import OraclePolicy
+
+    tm, tt = tiny["target"]
+    oracle = OraclePolicy(PolicyConfig(name="oracle", k=3, max_k=8), cross.vmap)
+    rounds = []
+    observe = oracle.observe
+    oracle.observe = lambda feats, kept: (rounds.append(kept), observe(feats, kept))
+    for prompt in PROMPTS[:4]:
+        msgs = user_messages(prompt)
+        reply = list(plain_generate(tm, tt, encode_prompt(tt, msgs, True), PlainStats(), max_tokens=40))
+        oracle.start(reply)
+        out = []
+        cfg = SpecConfig(k=3, max_tokens=40)
+        for new, _ in speculative_generate(cross, encode_prompt(cross.draft_tok, msgs, True),
+                                           encode_prompt(tt, msgs, True), cfg, SpecStats(), oracle):
+            out += new
+            oracle.advance(new)
+        assert out == reply
+    assert all(all(kept[:-1]) for kept in rounds)
+    assert max(len(kept) for kept in rounds) > 3  # it drafts past k where the drafter is right
