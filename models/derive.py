@@ -11,8 +11,10 @@ heals the cut by distillation from the full model:
    any later depth reuses it.
 2. Distillation: teacher-forced KL(full || shallow) over the next-token
    distributions on text found on this machine (Python sources and docs of
-   installed packages), AdamW on the kept layers and the final norm, under a
-   time budget, with resumable checkpoints.
+   installed packages) and on chat transcripts of the full model answering the
+   benchmark's adaptation prompts (code, math, chat: what a drafter reads in
+   use, which files lack), AdamW on the kept layers and the final norm, under
+   a time budget, with resumable checkpoints.
 3. The result is an ordinary MLX model directory under models_dir()/<name>,
    so every command that takes a drafter name accepts it.
 
@@ -59,7 +61,9 @@ class DeriveConfig:
     select_seqs: int = 4  # held-out sequences (of seq_len/2 tokens) scoring the layer drops
     eval_seqs: int = 16  # held-out sequences for the before/after losses
     train_tokens: int = 2_000_000  # upper bound on the training text
-    bench_prompts: bool = True  # also train on the benchmark's "adapt" prompts, where present
+    replies: int = 200  # the source's transcripts per benchmark task ("adapt" prompts, cycled); 0: files only
+    reply_tokens: int = 128
+    reply_share: float = 0.5  # of the training windows, where there are transcripts
     checkpoint_every: float = 60.0  # seconds
     seed: int = 0
 
@@ -94,23 +98,47 @@ def _heldout(path: Path) -> bool:
     return hashlib.sha1(str(path).encode()).digest()[0] < 26
 
 
-def adapt_texts(tokenizer) -> list[str]:
-    """Benchmark prompts of the "adapt" split (never "heldout"), in the drafter's
-    chat template as it sees them in use; none where bench/tasks.py or its data is missing."""
+def adapt_prompts() -> dict[str, list[str]]:
+    """The benchmark's "adapt" prompts per task (never "heldout"); none where
+    bench/tasks.py or its data is missing."""
     try:
         from omnidraft_mlx.bench.tasks import TASKS, load_task
     except ImportError:
-        return []
-    from omnidraft_mlx.prompts import encode_prompt, user_messages
-
-    texts = []
+        return {}
+    prompts = {}
     for task in TASKS:
         try:
-            prompts = load_task(task, "adapt")
+            prompts[task] = [p.text for p in load_task(task, "adapt")]
         except OmniDraftError:  # its data cannot be fetched here: go without
             continue
-        texts += [tokenizer.decode(encode_prompt(tokenizer, user_messages(p.text))) for p in prompts]
-    return texts
+    return prompts
+
+
+def transcripts(model, tokenizer, prompts: dict[str, list[str]], per_task: int, max_tokens: int,
+                path: Path, progress=None, batch: int = 32) -> list[str]:
+    """Chat transcripts of `model` answering `per_task` prompts of each task (cycled),
+    replies sampled (temperature 0.8): a prompt in the chat template, then a reply, as a
+    drafter reads them in use. Saved to `path` (JSONL, rewritten atomically per batch),
+    so a resumed derivation generates only what is missing."""
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from omnidraft_mlx.prompts import encode_prompt, user_messages
+
+    done = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    jobs = [(task, texts[i % len(texts)]) for task, texts in prompts.items() if texts for i in range(per_task)]
+    task = progress.add_task("transcripts", total=len(jobs), completed=min(len(done), len(jobs))) if progress else None
+    for start in range(len(done), len(jobs), batch):
+        chunk = jobs[start : start + batch]
+        ids = [encode_prompt(tokenizer, user_messages(text)) for _, text in chunk]
+        replies = batch_generate(model, tokenizer, ids, max_tokens=max_tokens, return_token_ids=True,
+                                 sampler=make_sampler(temp=0.8, top_p=0.95),
+                                 prefill_batch_size=len(ids), completion_batch_size=len(ids)).token_ids
+        done += [{"task": t, "text": tokenizer.decode(p + r)} for (t, _), p, r in zip(chunk, ids, replies)]
+        atomic_write_text(path, "".join(json.dumps(d) + "\n" for d in done))
+        if progress:
+            progress.update(task, advance=len(chunk))
+    return [d["text"] for d in done[: len(jobs)]]
 
 
 def token_windows(tokenizer, texts, n_tokens: int, length: int, rng) -> np.ndarray:
@@ -139,14 +167,18 @@ def token_windows(tokenizer, texts, n_tokens: int, length: int, rng) -> np.ndarr
     return np.array(ids[: n * length], dtype=np.int32).reshape(n, length)
 
 
-def datasets(tokenizer, cfg: DeriveConfig) -> tuple[np.ndarray, np.ndarray]:
-    """(train, heldout) windows of seq_len + 1 tokens (input and shifted target)."""
+def datasets(tokenizer, cfg: DeriveConfig, chats: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(train, heldout) windows of seq_len + 1 tokens (input and shifted target); the
+    transcripts `chats`, repeated, make up cfg.reply_share of the training windows."""
     files = corpus_files()
     rng = np.random.default_rng(cfg.seed)
     heldout_need = (cfg.eval_seqs + cfg.select_seqs) * (cfg.seq_len + 1)
     heldout = token_windows(tokenizer, [f for f in files if _heldout(f)], heldout_need, cfg.seq_len + 1, rng)
-    train_texts = [f for f in files if not _heldout(f)] + (adapt_texts(tokenizer) if cfg.bench_prompts else [])
-    train = token_windows(tokenizer, train_texts, cfg.train_tokens, cfg.seq_len + 1, rng)
+    train = token_windows(tokenizer, [f for f in files if not _heldout(f)], cfg.train_tokens, cfg.seq_len + 1, rng)
+    if chats:
+        chat = token_windows(tokenizer, chats, cfg.train_tokens, cfg.seq_len + 1, rng)
+        repeat = math.ceil(cfg.reply_share / (1 - cfg.reply_share) * len(train) / len(chat))
+        train = np.concatenate([train, np.tile(chat, (repeat, 1))])
     return train, heldout
 
 
@@ -385,11 +417,11 @@ def write_model_dir(src: Path, out: Path, student, keep: list[int], info: dict) 
     return out
 
 
-def _selection_cache(src: Path, cfg: DeriveConfig) -> Path:
+def _source_cache(src: Path, kind: str, *settings) -> Path:
+    """Where work that depends only on the source model (and `settings`) is kept, for any depth."""
     weights = sorted(src.glob("*.safetensors"))
-    key = json.dumps([str(src), [(w.name, w.stat().st_size, int(w.stat().st_mtime)) for w in weights],
-                      cfg.seq_len, cfg.select_seqs, cfg.seed])
-    return model_home() / "derive" / f"selection-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+    key = json.dumps([str(src), [(w.name, w.stat().st_size, int(w.stat().st_mtime)) for w in weights], *settings])
+    return model_home() / "derive" / f"{kind}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
 
 
 def derive(cfg: DeriveConfig, restart: bool = False, progress: bool = True) -> Path:
@@ -407,8 +439,8 @@ def derive(cfg: DeriveConfig, restart: bool = False, progress: bool = True) -> P
     src = Path(resolve_model(cfg.source))
     if not is_model_dir(src):
         raise OmniDraftError(f"'{cfg.source}' is not a local MLX model directory; derive needs its weights here")
-    if cfg.minutes < 0:
-        raise OmniDraftError(f"--minutes must be >= 0, got {cfg.minutes}")
+    if cfg.minutes < 0 or cfg.replies < 0:
+        raise OmniDraftError(f"--minutes and --replies must be >= 0, got {cfg.minutes} and {cfg.replies}")
     teacher, tokenizer = load(str(src))
     full = _check_arch(teacher, cfg.source)
     if not 1 <= cfg.layers < len(full):
@@ -417,16 +449,19 @@ def derive(cfg: DeriveConfig, restart: bool = False, progress: bool = True) -> P
         )
     student, _ = load(str(src))  # a separate copy: training it leaves the teacher intact
     mx.random.seed(cfg.seed)
-    train, heldout = datasets(tokenizer, cfg)
-    select_windows = heldout[: cfg.select_seqs, : cfg.seq_len // 2 + 1]
-    eval_windows = heldout[cfg.select_seqs : cfg.select_seqs + cfg.eval_seqs]
-
     ckpt = work_dir(name) / CHECKPOINT
     if restart:
         ckpt.unlink(missing_ok=True)
-    cache = _selection_cache(src, cfg)
+    cache = _source_cache(src, "selection", cfg.seq_len, cfg.select_seqs, cfg.seed).with_suffix(".json")
     done = json.loads(cache.read_text()) if cache.is_file() else None
     with _progress(progress) as bar:
+        chats = transcripts(
+            teacher, tokenizer, adapt_prompts(), cfg.replies, cfg.reply_tokens,
+            _source_cache(src, "transcripts", cfg.reply_tokens, cfg.seed).with_suffix(".jsonl"), bar,
+        ) if cfg.replies else []
+        train, heldout = datasets(tokenizer, cfg, chats)
+        select_windows = heldout[: cfg.select_seqs, : cfg.seq_len // 2 + 1]
+        eval_windows = heldout[cfg.select_seqs : cfg.select_seqs + cfg.eval_seqs]
         selection = select_layers(
             teacher, select_windows, cfg.layers, done,
             on_drop=lambda r: atomic_write_text(cache, json.dumps(r)), progress=bar,
@@ -449,6 +484,7 @@ def derive(cfg: DeriveConfig, restart: bool = False, progress: bool = True) -> P
         "distill_seconds": round(meta.get("seconds", 0.0), 1),
         "distill_tokens": meta.get("step", 0) * cfg.batch * cfg.seq_len,
         "train_windows": len(train),
+        "transcripts": len(chats),
         "config": asdict(cfg),
     }
     return write_model_dir(src, models_dir() / name, student, keep, info)

@@ -13,8 +13,7 @@ from omnidraft_mlx.models import derive as d
 from omnidraft_mlx.models.pull import local_state, resolve_model
 from tiny_models import TEXT, corpus, train_tokenizer, write_model
 
-SMALL = dict(seq_len=32, batch=4, select_seqs=2, eval_seqs=4, train_tokens=20_000, lr=1e-3, warmup=5,
-             bench_prompts=False)
+SMALL = dict(seq_len=32, batch=4, select_seqs=2, eval_seqs=4, train_tokens=20_000, lr=1e-3, warmup=5, replies=0)
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +34,10 @@ def _windows(tok, n_tokens=4000, length=33):
 
 
 def test_derived_model_keeps_the_chosen_layers_and_loads(deep, home):
-    cfg = d.DeriveConfig(source=str(deep), layers=3, name="tiny-3l", minutes=0, **SMALL)
+    cfg = d.DeriveConfig(source=str(deep), layers=3, name="tiny-3l", minutes=0, **{**SMALL, "replies": 2, "reply_tokens": 8})
     out = d.derive(cfg, progress=False)
     info = json.loads((out / "omnidraft.json").read_text())
+    assert info["transcripts"] == 2 * len(d.adapt_prompts()) > 0  # the source's chats on code, math, chat
     keep = info["kept_layers"]
     assert len(keep) == 3 and keep == sorted(keep)
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 3
@@ -55,6 +55,25 @@ def test_derived_model_keeps_the_chosen_layers_and_loads(deep, home):
     assert resolve_model("tiny-3l") == str(out)
     row = next(r for r in local_state() if r["name"] == "tiny-3l")
     assert row["source"] == "derived" and "3 of 6 layers" in row["description"]
+
+
+def test_transcripts_are_the_sources_chats_and_resume(deep, tmp_path):
+    from omnidraft_mlx.prompts import encode_prompt, user_messages
+
+    model, tok = load(str(deep))
+    prompts = {"code": ["def add(a, b):", "class Stack:"], "chat": ["Say hello to the farmer."]}
+    path = tmp_path / "chats.jsonl"
+    chats = d.transcripts(model, tok, prompts, 3, 8, path, batch=4)
+    asked = ["def add(a, b):", "class Stack:", "def add(a, b):"] + ["Say hello to the farmer."] * 3
+    assert len(chats) == 6
+    for chat, prompt in zip(chats, asked):
+        start = tok.decode(encode_prompt(tok, user_messages(prompt)))
+        assert chat.startswith(start) and len(chat) > len(start)  # the prompt, then a reply
+    # Interrupted after the first batch: a rerun generates only the rest.
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:4]))
+    again = d.transcripts(model, tok, prompts, 3, 8, path, batch=4)
+    assert again[:4] == chats[:4] and len(again) == 6
+    assert d.transcripts(None, tok, prompts, 3, 8, path) == again  # all there: no model needed
 
 
 def test_selection_drops_the_cheapest_layer_first(deep):
