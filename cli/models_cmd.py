@@ -85,7 +85,7 @@ def derive(
     layers: int = typer.Option(..., "--layers", help="how many of its layers to keep"),
     name: Optional[str] = typer.Option(None, "--name", help="local name (default: <from>-<layers>l)"),
     minutes: float = typer.Option(20.0, "--minutes", help="distillation time budget, resumed runs included"),
-    replies: int = typer.Option(200, "--replies", help="chat transcripts of the source per benchmark task to distill on besides files (0: files only)"),
+    replies: int = typer.Option(96, "--replies", help="chat transcripts of the source per benchmark task to distill on besides files (0: files only)"),
     restart: bool = typer.Option(False, "--restart", help="discard an earlier run's checkpoint"),
 ):
     """Build a shallow drafter: keep the layers that matter most, then distill from the full model."""

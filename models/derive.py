@@ -61,8 +61,8 @@ class DeriveConfig:
     select_seqs: int = 4  # held-out sequences (of seq_len/2 tokens) scoring the layer drops
     eval_seqs: int = 16  # held-out sequences for the before/after losses
     train_tokens: int = 2_000_000  # upper bound on the training text
-    replies: int = 200  # the source's transcripts per benchmark task ("adapt" prompts, cycled); 0: files only
-    reply_tokens: int = 128
+    replies: int = 96  # the source's transcripts per benchmark task ("adapt" prompts, cycled); 0: files only
+    reply_tokens: int = 96
     reply_share: float = 0.5  # of the training windows, where there are transcripts
     checkpoint_every: float = 60.0  # seconds
     seed: int = 0
@@ -126,7 +126,8 @@ def transcripts(model, tokenizer, prompts: dict[str, list[str]], per_task: int, 
     from omnidraft_mlx.prompts import encode_prompt, user_messages
 
     done = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    jobs = [(task, texts[i % len(texts)]) for task, texts in prompts.items() if texts for i in range(per_task)]
+    # Tasks take turns, so every task is covered however far an interrupted run got.
+    jobs = [(task, texts[i % len(texts)]) for i in range(per_task) for task, texts in prompts.items() if texts]
     task = progress.add_task("transcripts", total=len(jobs), completed=min(len(done), len(jobs))) if progress else None
     for start in range(len(done), len(jobs), batch):
         chunk = jobs[start : start + batch]

@@ -64,7 +64,8 @@ def test_transcripts_are_the_sources_chats_and_resume(deep, tmp_path):
     prompts = {"code": ["def add(a, b):", "class Stack:"], "chat": ["Say hello to the farmer."]}
     path = tmp_path / "chats.jsonl"
     chats = d.transcripts(model, tok, prompts, 3, 8, path, batch=4)
-    asked = ["def add(a, b):", "class Stack:", "def add(a, b):"] + ["Say hello to the farmer."] * 3
+    asked = ["def add(a, b):", "Say hello to the farmer.", "class Stack:", "Say hello to the farmer.",
+             "def add(a, b):", "Say hello to the farmer."]  # tasks take turns
     assert len(chats) == 6
     for chat, prompt in zip(chats, asked):
         start = tok.decode(encode_prompt(tok, user_messages(prompt)))
