@@ -31,6 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from omnidraft_mlx.align import spelled_bytes
 from omnidraft_mlx.bench.tasks import Prompt, load_task
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.generate import PlainStats, plain_generate
@@ -101,12 +102,12 @@ class OraclePolicy(DraftPolicy):
         self.drafted = b""
 
     def start(self, reply: list[int]) -> None:
-        self.reply = b"".join(self.vmap.target_bytes[t] or b"" for t in reply)
+        self.reply = spelled_bytes(reply, self.vmap.target_bytes)
         self.committed = b""
 
     def advance(self, new: list[int]) -> None:
         """The decoding emitted `new` (target ids)."""
-        self.committed += b"".join(self.vmap.target_bytes[t] or b"" for t in new)
+        self.committed += spelled_bytes(new, self.vmap.target_bytes)
 
     def begin_round(self) -> None:
         self.drafted = b""

@@ -128,7 +128,7 @@ def transcripts(model, tokenizer, prompts: dict[str, list[str]], per_task: int, 
     done = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     # Tasks take turns, so every task is covered however far an interrupted run got.
     jobs = [(task, texts[i % len(texts)]) for i in range(per_task) for task, texts in prompts.items() if texts]
-    task = progress.add_task("transcripts", total=len(jobs), completed=min(len(done), len(jobs))) if progress else None
+    bar = progress.add_task("transcripts", total=len(jobs), completed=min(len(done), len(jobs))) if progress else None
     for start in range(len(done), len(jobs), batch):
         chunk = jobs[start : start + batch]
         ids = [encode_prompt(tokenizer, user_messages(text)) for _, text in chunk]
@@ -138,7 +138,7 @@ def transcripts(model, tokenizer, prompts: dict[str, list[str]], per_task: int, 
         done += [{"task": t, "text": tokenizer.decode(p + r)} for (t, _), p, r in zip(chunk, ids, replies)]
         atomic_write_text(path, "".join(json.dumps(d) + "\n" for d in done))
         if progress:
-            progress.update(task, advance=len(chunk))
+            progress.update(bar, advance=len(chunk))
     return [d["text"] for d in done[: len(jobs)]]
 
 

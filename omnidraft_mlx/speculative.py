@@ -19,6 +19,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_top_p
 
+from omnidraft_mlx.align import byte_ends, spelled_bytes
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
@@ -172,11 +173,10 @@ def verify_sampled(pair, out, proposal, spans, probs, draft_ids, cfg, rng) -> tu
 
 def drafted_and_kept(vmap, draft_ids: list[int], new: list[int]) -> list[bool]:
     """Per drafted token: did its text reach the output? (labels across vocabularies)"""
-    drafted = b"".join(vmap.draft_bytes[d] or b"" for d in draft_ids)
-    kept = b"".join(vmap.target_bytes[t] or b"" for t in new)
+    drafted = spelled_bytes(draft_ids, vmap.draft_bytes)
+    kept = spelled_bytes(new, vmap.target_bytes)
     matched = next((i for i, (a, b) in enumerate(zip(drafted, kept)) if a != b), min(len(drafted), len(kept)))
-    ends = np.cumsum([len(vmap.draft_bytes[d] or b"") for d in draft_ids])
-    return (ends <= matched).tolist()
+    return (byte_ends(draft_ids, vmap.draft_bytes) <= matched).tolist()
 
 
 def speculative_generate(
