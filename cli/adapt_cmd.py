@@ -47,7 +47,7 @@ def adapt(
     steps: int = typer.Option(2, "--steps", help="Gradient steps on each batch (one target forward serves them all)."),
     max_len: int = typer.Option(512, "--max-len", help="Most tokens per training sequence."),
     k: int = typer.Option(4, "--k", "-k", help="Draft tokens per round (stream mode and evaluation)."),
-    policy: str = typer.Option("learned", "--policy", help="Draft length while streaming: fixed, confidence, heuristic or learned (its acceptance head learns alongside and is saved in the profile)."),
+    policy: str = typer.Option("learned", "--policy", help="Draft length while streaming: fixed, confidence, heuristic or learned (its acceptance head learns alongside and is saved in the profile; batch mode trains it on replays of the replies)."),
     max_tokens: int = typer.Option(128, "--max-tokens", help="Reply length in stream and batch modes."),
     n_eval: int = typer.Option(4, "--eval", help="Held-out prompts evaluated before and after (0 = none)."),
     eval_tokens: int = typer.Option(32, "--eval-tokens", help="Tokens generated per evaluation prompt."),
@@ -77,7 +77,9 @@ def adapt(
     draft_model, draft_tok = load_model(draft)
     target_model, target_tok = load_model(target)
     cfg = DistillConfig(lam=lam, lr=lr, lora_rank=rank, layers=layers, batch=batch, steps=steps, max_len=max_len)
-    draft_policy = DraftPolicy(PolicyConfig(name=policy, k=k)) if mode == "stream" else None
+    # Batch mode trains the acceptance head too, on replays of the replies (adapt.head_labels).
+    draft_policy = DraftPolicy(PolicyConfig(name=policy if mode == "stream" else "learned", k=k)) \
+        if mode != "text" else None
     learner = open_learner(draft, target, (draft_model, draft_tok, target_model, target_tok), cfg, interval, raw,
                            note=lambda s: err_console.print(f"[yellow]note:[/] {s}"), policy=draft_policy)
     pair, profile = learner.pair, learner.profile

@@ -9,7 +9,8 @@ teacher-forced variant for local documents).
   the replies. Under greedy decoding a verified reply is the target's own
   output whatever the drafter, and a batched decoding step costs little more
   than a single one, so a corpus is learned from several times faster (stream
-  is what happens while the pair is in use).
+  is what happens while the pair is in use). The acceptance head learns from
+  replays of the same replies (`head_labels`).
 - text: teacher-forced distillation directly on documents (or on the replies
   in chat transcripts): one target forward per chunk, no generation.
 After every update the profile is saved (adapter, optimizer, n-grams, corpus
@@ -26,14 +27,15 @@ from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from omnidraft_mlx.distill import DistillConfig, Distiller, Example, StepStats, make_example
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
-from omnidraft_mlx.policy import DraftPolicy
+from omnidraft_mlx.policy import DraftPolicy, replay_depths
 from omnidraft_mlx.profile import Profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.speculative import SpecConfig, SpecStats, output_head, speculative_generate
 
 TEXT_SUFFIXES_SKIPPED = {".png", ".jpg", ".jpeg", ".gif", ".pdf", ".zip", ".gz", ".bin", ".safetensors", ".pyc"}
 
@@ -316,9 +318,32 @@ def batch(learner: OnlineLearner, samples: list[Sample], max_tokens: int, budget
             learner.position, done = learner.position + 1, done + 1
             records.append({"position": learner.position, "tokens": len(reply), "ngrams": len(pair.ngrams),
                             "updates": learner.updates, "reply": reply})
+        if learner.policy is not None:  # before the update: what this drafter would have had accepted
+            for example in learner.buffer:
+                features, kept = head_labels(pair, example, learner.policy)
+                learner.policy.learn(features, kept, steps=len(kept) // 8)
         report = learner.update({"position": learner.position})
         on_event(Event(done, learner.position, None, report))
     return records
+
+
+def head_labels(pair: Pair, example: Example, policy: DraftPolicy) -> tuple[np.ndarray, np.ndarray]:
+    """Acceptance-head data from a reply the drafter did not decode (batch mode):
+    one teacher-forced drafter forward gives, at every reply position, the token
+    it would draft there and whether the reply goes on with it; replaying greedy
+    speculative decoding over those outcomes gives each drafted one its depth.
+    Drafting the reply's own next token in the drafter's tokenization stands in
+    for drafting text the target keeps. Returns (features, kept) per drafted token."""
+    ids, start = example.draft_ids, max(1, example.reply_start)
+    if len(ids) <= start:
+        return np.zeros((0, 0), np.float32), np.zeros(0, bool)
+    hidden = pair.draft.model(mx.array(ids)[None])[0, start - 1 : -1]
+    logits = output_head(pair.draft)(hidden)
+    drafted = mx.argmax(logits, axis=-1)
+    kept = np.array(drafted) == np.array(ids[start:])
+    depths = replay_depths(kept, policy.cfg.max_k)
+    features = np.array(policy.features_of(hidden, logits, drafted, mx.array(depths)))
+    return features[depths >= 0], kept[depths >= 0]
 
 
 def _window(records: list[dict], n: int) -> dict:

@@ -61,6 +61,7 @@ class Example:
     direct_target: np.ndarray  # the aligned target positions (predicting the same token)
     ngram_pos: np.ndarray  # drafter positions whose next token is an n-gram sub-token
     ngram_tok: np.ndarray  # those next tokens
+    reply_start: int = 0  # where the reply begins in draft_ids
 
     @property
     def positions(self) -> int:
@@ -86,7 +87,8 @@ def make_example(pair: Pair, draft_prompt: list[int], target_prompt: list[int], 
     direct = [(pd + i - 1, pt + j - 1) for i, j in al.direct if keep(i, j)]
     ngram = [(pd + i - 1, draft_reply[i]) for i, _ in al.ngram if keep(i)]
     arr = lambda rows, c: np.array([r[c] for r in rows], dtype=np.int32)  # noqa: E731
-    return Example(draft_ids, target_ids, arr(direct, 0), arr(direct, 1), arr(ngram, 0), arr(ngram, 1))
+    return Example(draft_ids, target_ids, arr(direct, 0), arr(direct, 1), arr(ngram, 0), arr(ngram, 1),
+                   min(pd, len(draft_ids)))
 
 
 def head_weight(model) -> mx.array | None:

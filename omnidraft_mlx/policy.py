@@ -11,7 +11,8 @@ early wastes a chance to emit several tokens per target forward. Policies:
   P(accept | previous accepted); stop when 1 - prod P > gamma (OmniDraft),
   the next token's P estimated by the last one's, so no forward is wasted.
   Trained online from the verification of the translated target tokens, so it
-  works across vocabularies.
+  works across vocabularies; batch adaptation trains it too, on teacher-forced
+  replays of the target's replies (`replay_depths`, adapt.head_labels).
 
 gamma "auto" (the default) is set from measured costs: one more draft token
 adds prod P expected tokens and costs one drafter forward, which is worth it
@@ -83,13 +84,35 @@ class PolicyConfig:
     hidden: bool = False  # add the drafter's hidden state to the head's features
 
 
-def token_features(hidden: mx.array | None, logits: mx.array, token: int, depth: int) -> mx.array:
-    """What the head sees of one drafted token: the token's log-probability, the
-    distribution's entropy and the draft depth, after the hidden state if given."""
-    logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
-    entropy = -(mx.exp(logprobs) * logprobs).sum()
-    extra = mx.stack([logprobs[token], entropy, mx.array(float(depth))])
-    return extra if hidden is None else mx.concatenate([hidden.astype(mx.float32), extra])
+def token_features(hidden: mx.array | None, logits: mx.array, token, depth) -> mx.array:
+    """What the head sees of a drafted token (or, given rows, of each): the token's
+    log-probability, the distribution's entropy and the draft depth, after the
+    hidden state if given."""
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    entropy = -(mx.exp(logprobs) * logprobs).sum(-1)
+    logq = mx.take_along_axis(logprobs, mx.array(token)[..., None], -1)[..., 0]
+    extra = mx.stack([logq, entropy, mx.array(depth, dtype=mx.float32)], -1)
+    return extra if hidden is None else mx.concatenate([hidden.astype(mx.float32), extra], -1)
+
+
+def replay_depths(kept: np.ndarray, max_k: int) -> np.ndarray:
+    """Draft depth of each position of a reply under greedy speculative decoding
+    that drafts max_k tokens a round, given whether the drafter's token at each
+    position is the reply's (-1: not drafted, the target's bonus token after a
+    fully accepted round). A round ends at its first rejection; the target's
+    token there is the next round's context."""
+    depths = np.full(len(kept), -1)
+    start = 0
+    while start < len(kept):
+        n = 0
+        while n < max_k and start + n < len(kept):
+            depths[start + n] = n
+            n += 1
+            if not kept[start + n - 1]:
+                break
+        start += n + bool(kept[start + n - 1])  # a fully accepted round ends with the target's own token
+    return depths
 
 
 class AcceptanceHead(nn.Module):
@@ -175,18 +198,22 @@ class DraftPolicy:
             self.k = min(self.cfg.max_k, self.k + 2) if all_accepted else max(1, self.k - 1)
         if self.cfg.name != "learned" or not features:
             return
-        if self.head is None:
-            self.head = AcceptanceHead(features[0].shape[0])
         # P(accept | previous accepted): tokens after the first rejection carry no label.
-        for f, ok in zip(features, accepted):
-            self.features.append(np.array(f))
-            self.labels.append(float(ok))
-            if not ok:
-                break
-        del self.features[: -self.cfg.buffer], self.labels[: -self.cfg.buffer]
+        labels = list(accepted[: accepted.index(False) + 1] if False in accepted else accepted)
         self.rounds += 1
-        if self.rounds % self.cfg.update_every == 0 and len(self.labels) >= 32:
-            self.train(steps=4)
+        due = self.rounds % self.cfg.update_every == 0 and len(self.labels) + len(labels) >= 32
+        self.learn(np.stack([np.array(f) for f in features[: len(labels)]]), labels, steps=4 if due else 0)
+
+    def learn(self, features: np.ndarray, labels, steps: int) -> None:
+        """Add labelled draft tokens (a row of features each) to the replay buffer,
+        then take `steps` training steps on it."""
+        if self.head is None:
+            self.head = AcceptanceHead(features.shape[1])
+        self.features += list(features)
+        self.labels += [float(x) for x in labels]
+        del self.features[: -self.cfg.buffer], self.labels[: -self.cfg.buffer]
+        if steps and self.labels:
+            self.train(steps)
 
     def train(self, steps: int, batch: int = 256, seed: int = 0) -> float:
         """A few BCE steps on the replay buffer; returns the last loss."""

@@ -171,10 +171,12 @@ def verify_sampled(pair, out, proposal, spans, probs, draft_ids, cfg, rng) -> tu
     return n, int(rng.choice(p.shape[1], p=p[n] / p[n].sum()))
 
 
-def drafted_and_kept(vmap, draft_ids: list[int], new: list[int]) -> list[bool]:
-    """Per drafted token: did its text reach the output? (labels across vocabularies)"""
+def drafted_and_kept(vmap, draft_ids: list[int], accepted: list[int]) -> list[bool]:
+    """Per drafted token: is its text within the accepted target tokens? (labels
+    across vocabularies; text that only the target's own next token spells made
+    no token of the draft's kept)"""
     drafted = spelled_bytes(draft_ids, vmap.draft_bytes)
-    kept = spelled_bytes(new, vmap.target_bytes)
+    kept = spelled_bytes(accepted, vmap.target_bytes)
     matched = next((i for i, (a, b) in enumerate(zip(drafted, kept)) if a != b), min(len(drafted), len(kept)))
     return (byte_ends(draft_ids, vmap.draft_bytes) <= matched).tolist()
 
@@ -262,7 +264,7 @@ def speculative_generate(
 
         # 3. Commit, learn, account.
         new = [*proposal[:n], y]
-        policy.observe(feats[: len(draft_ids)], drafted_and_kept(vmap, draft_ids, new))
+        policy.observe(feats[: len(draft_ids)], drafted_and_kept(vmap, draft_ids, proposal[:n]))
         for s, e in (spans or [])[:n]:
             if e - s > 1:
                 ngrams.record_use(tuple(draft_ids[s:e]))

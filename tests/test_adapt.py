@@ -4,6 +4,7 @@ acceptance, the profile (save, resume, kill -9, disk full) and bad input."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from omnidraft_mlx.align import align
 from omnidraft_mlx.distill import DistillConfig, Distiller, _pad, distill_loss, make_example, setup_trainable
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import make_pair
+from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
 from omnidraft_mlx.profile import Profile, load_profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.speculative import SpecConfig
@@ -156,8 +158,11 @@ def test_batch_mode_learns_from_the_targets_own_greedy_replies(tiny_dirs, tiny):
     setup_trainable(dm, cfg)
     pair = make_pair(dm, dt, tm, tt)
     prompts = [user_messages(p) for p in TRAIN_PROMPTS[:3] + ["import json\n\ndef load(path):\n    with", "x = ["]]
-    learner = OnlineLearner(pair, cfg, interval=3)
+    policy = DraftPolicy(PolicyConfig(name="learned"))
+    learner = OnlineLearner(pair, cfg, interval=3, policy=policy)
     records = batch(learner, [Sample(messages=m) for m in prompts], 12, Budget(max_prompts=4))
+    # The acceptance head learned from replays of the replies (a label per drafted token).
+    assert policy.head is not None and len(policy.labels) >= sum(len(r["reply"]) for r in records) // 2
     assert [r["position"] for r in records] == [1, 2, 3, 4] and learner.position == 4
     assert learner.updates == 2 and not learner.buffer  # 3 prompts, then the 1 the budget left
     for msgs, r in zip(prompts, records):  # prompts of several lengths share a padded batch
@@ -335,13 +340,16 @@ def test_adapt_command_resumes_and_profile_commands(tmp_path, tiny_dirs):
     first = omnidraft(*common, "--mode", "stream", "--max-prompts", "4", home=tmp_path)
     assert first.returncode == 0, first.stderr
     assert "position 4/6" in first.stdout and "held-out acceptance" in first.stdout
+    streamed = int(re.search(r"acceptance head: (\d+) labelled",
+                             omnidraft("profile", "show", *pair_args, home=tmp_path).stdout)[1])
     second = omnidraft(*common, "--rank", "8", home=tmp_path)  # resumes in batch mode, the default for prompts
     assert second.returncode == 0, second.stderr
     assert "position 6/6" in second.stdout and "update 3" in second.stdout
     assert "continuing the profile's adapter" in second.stderr
     shown = omnidraft("profile", "show", *pair_args, home=tmp_path)
     assert "drafter updates: 3" in shown.stdout and "6 items learned from" in shown.stdout
-    assert "acceptance head: " in shown.stdout  # the learned draft-length policy trained while streaming
+    # The acceptance head trained while streaming, then on the batch mode's replays.
+    assert (labels := re.search(r"acceptance head: (\d+) labelled", shown.stdout)) and int(labels[1]) > streamed
     # generate loads the profile (adapter applied) and keeps the output lossless.
     gen = omnidraft("generate", *pair_args, "--raw", "--max-tokens", "8", "-q", TRAIN_PROMPTS[0], home=tmp_path)
     plain = omnidraft("generate", "--model", str(tiny_dirs["target"]), "--raw", "--max-tokens", "8", "-q",

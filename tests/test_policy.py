@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 
 from omnidraft_mlx.generate import PlainStats, plain_generate
-from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
+from omnidraft_mlx.adapt import head_labels
+from omnidraft_mlx.distill import make_example
+from omnidraft_mlx.pair import make_pair
+from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, replay_depths
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, drafted_and_kept, speculative_generate
 from tiny_models import TEXT
@@ -143,3 +146,32 @@ def test_oracle_drafts_exactly_as_far_as_the_reply_agrees(cross, tiny):
         assert out == reply
     assert all(all(kept[:-1]) for kept in rounds)
     assert max(len(kept) for kept in rounds) > 3  # it drafts past k where the drafter is right
+
+
+def test_replay_depths_follow_greedy_rounds():
+    # rounds of up to 3: kept, kept, rejected | kept x3, then the target's bonus token | rejected | kept
+    kept = np.array([1, 1, 0, 1, 1, 1, 1, 0, 1], bool)
+    assert replay_depths(kept, 3).tolist() == [0, 1, 2, 0, 1, 2, -1, 0, 0]
+
+
+def test_head_labels_replay_what_decoding_gives_the_head(tiny):
+    """Batch mode's teacher-forced replay of a reply gives the acceptance head the
+    same labels and features that speculative decoding of it gives, round by round
+    (a same-vocabulary pair, where a kept token is the reply's own token)."""
+    (dm, dt), (tm, tt) = tiny["same"], tiny["target"]
+    pair = make_pair(dm, dt, tm, tt)
+    live = DraftPolicy(PolicyConfig(name="learned", k=4, max_k=4, warmup=10**9))  # always 4 a round
+    replayed = DraftPolicy(PolicyConfig(name="learned", max_k=4))
+    compared = []
+    for prompt in PROMPTS[:4]:
+        msgs = user_messages(prompt)
+        dp, tp = encode_prompt(dt, msgs, True), encode_prompt(tt, msgs, True)
+        before = len(live.labels)
+        reply = [t for new, _ in speculative_generate(pair, dp, tp, SpecConfig(k=4, max_tokens=40), SpecStats(), live)
+                 for t in new]
+        features, kept = head_labels(pair, make_example(pair, dp, tp, reply), replayed)
+        n = min(len(kept), len(live.labels) - before) - 4  # the last round may be cut short by max_tokens
+        assert kept[:n].tolist() == [bool(x) for x in live.labels[before : before + n]]
+        np.testing.assert_allclose(features[:n], np.stack(live.features[before : before + n]), atol=2e-3)
+        compared += kept[:n].tolist()
+    assert len(compared) > 60 and 0 < np.mean(compared) < 1
