@@ -123,16 +123,19 @@ def test_learned_policy_saves_and_resumes(cross, tmp_path):
 
 
 def test_oracle_drafts_exactly_as_far_as_the_reply_agrees(cross, tiny):
-    """The bench's oracle (shown the target's greedy reply) stays lossless and never
-    pays for a draft token after a wrong one: each round's labels are all kept but
-    at most the last."""
+    """The bench's oracle (shown the target's greedy reply) stays lossless, drafts
+    past k where the drafter is right, and pays no forward after a token whose
+    text leaves the reply: a round ends at its first "stop", and verification
+    keeps no token the oracle stopped at."""
     from omnidraft_mlx.bench.run import OraclePolicy
 
     tm, tt = tiny["target"]
     oracle = OraclePolicy(PolicyConfig(name="oracle", k=3, max_k=8), cross.vmap)
-    rounds = []
-    observe = oracle.observe
-    oracle.observe = lambda feats, kept: (rounds.append(kept), observe(feats, kept))
+    rounds, decisions = [], []
+    begin, wants_more, observe = oracle.begin_round, oracle.wants_more, oracle.observe
+    oracle.begin_round = lambda: (decisions.clear(), begin())
+    oracle.wants_more = lambda *a: decisions.append(wants_more(*a)) or decisions[-1]
+    oracle.observe = lambda feats, kept: (rounds.append((list(decisions), kept)), observe(feats, kept))
     for prompt in PROMPTS[:4]:
         msgs = user_messages(prompt)
         reply = list(plain_generate(tm, tt, encode_prompt(tt, msgs, True), PlainStats(), max_tokens=40))
@@ -144,8 +147,11 @@ def test_oracle_drafts_exactly_as_far_as_the_reply_agrees(cross, tiny):
             out += new
             oracle.advance(new)
         assert out == reply
-    assert all(all(kept[:-1]) for kept in rounds)
-    assert max(len(kept) for kept in rounds) > 3  # it drafts past k where the drafter is right
+    for said, kept in rounds:  # a round's last token is asked about only when it ends by a stop
+        stopped = said[-1:] == [False]
+        assert all(said[:-1]) and len(kept) == len(said) + (not stopped)  # a forward after each "go on" only
+        assert not (stopped and kept[-1])  # the token it stopped at was not kept
+    assert max(len(kept) for _, kept in rounds) > 3  # it drafts past k where the drafter is right
 
 
 def test_replay_depths_follow_greedy_rounds():
