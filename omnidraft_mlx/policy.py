@@ -207,12 +207,14 @@ class DraftPolicy:
     def learn(self, features: np.ndarray, labels, steps: int) -> None:
         """Add labelled draft tokens (a row of features each) to the replay buffer,
         then take `steps` training steps on it."""
+        if not len(labels):  # e.g. a reply cut off by max_len: nothing drafted
+            return
         if self.head is None:
             self.head = AcceptanceHead(features.shape[1])
         self.features += list(features)
         self.labels += [float(x) for x in labels]
         del self.features[: -self.cfg.buffer], self.labels[: -self.cfg.buffer]
-        if steps and self.labels:
+        if steps:
             self.train(steps)
 
     def train(self, steps: int, batch: int = 256, seed: int = 0) -> float:
