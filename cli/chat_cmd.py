@@ -6,6 +6,7 @@ editing and history (readline), streaming, Ctrl-C / Ctrl-D.
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Optional
 
@@ -120,6 +121,9 @@ def chat(
         f" | plain target {1 / session.plain_step_s:.1f} tok/s\n"
         "[dim]/help for commands, Ctrl-C stops a reply, Ctrl-D or /quit leaves[/]"
     )
+    # Ctrl-C stops a reply even when the chat was started with SIGINT ignored, as a background
+    # job of a script is (POSIX), and Python then installs no handler of its own.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     history = _setup_history() if sys.stdin.isatty() else None
     colour = show_draft and sys.stdout.isatty()
     try:

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -20,11 +21,12 @@ FOOTER = r"(\d+) tokens, [\d.]+ tok/s \| acceptance [\d.]+ \| [\d.]+ tokens/targ
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def spawn(tiny_dirs, home, *args) -> pexpect.spawn:
+def spawn(tiny_dirs, home, *args, preexec_fn=None) -> pexpect.spawn:
     env = dict(os.environ, OMNIDRAFT_HOME=str(home), TERM="xterm")
     argv = ["-m", "omnidraft_mlx.cli.main", "chat", "--draft", str(tiny_dirs["draft"]),
             "--target", str(tiny_dirs["target"]), *args]
-    child = pexpect.spawn(sys.executable, argv, env=env, encoding="utf-8", timeout=120, dimensions=(50, 200))
+    child = pexpect.spawn(sys.executable, argv, env=env, encoding="utf-8", timeout=120, dimensions=(50, 200),
+                          preexec_fn=preexec_fn)
     child.expect("drafting for")
     child.expect(PROMPT)
     return child
@@ -113,7 +115,9 @@ def endless_target(tiny_dirs, tmp_path) -> dict:
 def test_ctrl_c_stops_reply_and_ctrl_d_exits(tiny_dirs, tmp_path):
     # Fixed k: once the learned head decides, drafting runs far ahead and a tiny pair can fill the
     # context before the interrupt lands.
-    chat = spawn(endless_target(tiny_dirs, tmp_path), tmp_path / "home", "--max-tokens", "100000", "--policy", "fixed")
+    # Started with SIGINT ignored, as a background job of a script (CI's, say) starts its children.
+    chat = spawn(endless_target(tiny_dirs, tmp_path), tmp_path / "home", "--max-tokens", "100000", "--policy", "fixed",
+                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     chat.sendline("def add_3(x):")
     chat.expect("return")  # streaming has begun
     chat.sendintr()
