@@ -54,16 +54,28 @@ def test_heuristic_policy_adapts_length():
 
 
 def test_gamma_auto_follows_measured_costs():
-    """gamma = 1 - (s per drafter forward) * (tokens per s): a cheap drafter drafts further."""
+    """gamma = 1 - (s per drafter forward + s to verify a draft token) * (tokens per s):
+    a cheap drafter drafts further; the verification term is the slope of verify time
+    over draft length, zero until the lengths vary."""
     cheap, dear, fixed = (DraftPolicy(PolicyConfig(name="learned", gamma=g)) for g in (None, None, 0.4))
     assert cheap.gamma == dear.gamma == 0.5  # before anything is measured: the start value
     for _ in range(6):
-        cheap.time_round(draft_s=0.03, forwards=3, round_s=0.23, tokens=3)  # 10 ms per forward, 13 tok/s
-        dear.time_round(draft_s=0.3, forwards=3, round_s=0.5, tokens=3)  # 100 ms per forward, 6 tok/s
-        fixed.time_round(draft_s=0.3, forwards=3, round_s=0.5, tokens=3)
-    assert cheap.gamma == pytest.approx(1 - 0.01 * 3 / 0.23)
-    assert dear.gamma == pytest.approx(1 - 0.1 * 3 / 0.5)
+        cheap.time_round(draft_s=0.03, forwards=3, verify_s=0.2, drafted=3, round_s=0.23, tokens=3)  # 13 tok/s
+        dear.time_round(draft_s=0.3, forwards=3, verify_s=0.2, drafted=3, round_s=0.5, tokens=3)  # 6 tok/s
+        fixed.time_round(draft_s=0.3, forwards=3, verify_s=0.2, drafted=3, round_s=0.5, tokens=3)
+    assert cheap.gamma == pytest.approx(1 - 0.01 * 3 / 0.23)  # 10 ms per forward, lengths all 3
+    assert dear.gamma == pytest.approx(1 - 0.1 * 3 / 0.5)  # 100 ms per forward
     assert fixed.gamma == 0.4
+    # Verification taking 0.2 s + 20 ms per draft token, over rounds of 1 to 5 tokens.
+    varied = DraftPolicy(PolicyConfig(name="learned"))
+    for i in range(20):
+        n = 1 + i % 5
+        varied.time_round(draft_s=0.01 * n, forwards=n, verify_s=0.2 + 0.02 * n, drafted=n, round_s=0.23 + 0.03 * n,
+                          tokens=n)
+    w = 0.9 ** np.arange(20)[::-1]  # the decaying weights of the rounds
+    ns = 1 + np.arange(20) % 5
+    tokens_per_s = (w * ns).sum() / (w * (0.23 + 0.03 * ns)).sum()
+    assert varied.gamma == pytest.approx(1 - (0.01 + 0.02) * tokens_per_s)
 
 
 def test_gamma_auto_is_measured_while_decoding(cross):
