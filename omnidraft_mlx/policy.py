@@ -21,7 +21,7 @@ decoding makes, on average, in that time:
     gamma = 1 - (s per drafter forward + s to verify a draft token) * (tokens per s).
 The second term is the slope of verification time over draft length, fitted
 over recent rounds; on a CPU it is not small (measured: 6.5 % of a target
-step per token on Qwen 0.5B and 1.5B, 0.4x and 0.16x what a SmolLM2 forward costs).
+step per token on Qwen 0.5B and 1.5B, 0.16x and 0.4x what a SmolLM2 forward costs).
 So a drafter that is cheap next to its target drafts further (best measured
 gamma: 0.7 on Qwen 1.5B, 0.3 on Qwen 0.5B, where the drafter costs 1/7 and
 0.4 of a target step); it follows the machine's load as it changes.
