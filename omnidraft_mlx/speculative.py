@@ -278,8 +278,8 @@ def speculative_generate(
         stats.draft_s += t1 - t0
         stats.verify_s += t3 - t2
         # Drafter forwards this round: the drafted tokens', after the first round one re-sync.
-        policy.time_round(t1 - t0, stats.draft_forwards - forwards + (stats.rounds > 1), t3 - t2, len(draft_ids),
-                          t3 - t0, len(new))
+        policy.time_round(draft_s=t1 - t0, forwards=stats.draft_forwards - forwards + (stats.rounds > 1),
+                          verify_s=t3 - t2, drafted=len(draft_ids), round_s=t3 - t0, tokens=len(new))
         stop = next((i for i, t in enumerate(new) if t in target_eos), None)
         new = new[:stop][: cfg.max_tokens - len(committed)]
         committed += new
