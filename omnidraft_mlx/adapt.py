@@ -32,7 +32,7 @@ import numpy as np
 from omnidraft_mlx.distill import DistillConfig, Distiller, Example, StepStats, make_example
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
-from omnidraft_mlx.policy import DraftPolicy, replay_depths
+from omnidraft_mlx.policy import DraftPolicy, replay_depths, replay_recent
 from omnidraft_mlx.profile import Profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, output_head, speculative_generate
@@ -331,7 +331,8 @@ def head_labels(pair: Pair, example: Example, policy: DraftPolicy) -> tuple[np.n
     """Acceptance-head data from a reply the drafter did not decode (batch mode):
     one teacher-forced drafter forward gives, at every reply position, the token
     it would draft there and whether the reply goes on with it; replaying greedy
-    speculative decoding over those outcomes gives each drafted one its depth.
+    speculative decoding over those outcomes gives each drafted one its depth and
+    the reply's recent acceptance before its round.
     Drafting the reply's own next token in the drafter's tokenization stands in
     for drafting text the target keeps. Returns (features, kept) per drafted token."""
     ids, start = example.draft_ids, max(1, example.reply_start)
@@ -342,7 +343,8 @@ def head_labels(pair: Pair, example: Example, policy: DraftPolicy) -> tuple[np.n
     drafted = mx.argmax(logits, axis=-1)
     kept = np.array(drafted) == np.array(ids[start:])
     depths = replay_depths(kept, policy.cfg.max_k)
-    features = np.array(policy.features_of(hidden, logits, drafted, mx.array(depths)))
+    recent = replay_recent(kept, depths, policy.cfg.recent_decay)
+    features = np.array(policy.features_of(hidden, logits, drafted, mx.array(depths), mx.array(recent)))
     return features[depths >= 0], kept[depths >= 0]
 
 

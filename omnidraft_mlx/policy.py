@@ -27,7 +27,12 @@ gamma: 0.7 on Qwen 1.5B, 0.3 on Qwen 0.5B, where the drafter costs 1/7 and
 0.4 of a target step); it follows the machine's load as it changes.
 
 The head's default features are the cheap signals (log q of the token, the
-entropy, the depth). Measured on 1,741 labels from SmolLM2 -> Qwen 0.5B
+entropy, the depth) and the reply's recent acceptance: a decaying mean of the
+labels of its earlier rounds, from 1.0 at the start of each reply. A token's
+own signals cannot tell a stretch the drafter has right (a list, a repeated
+formula) from one where it is about to fail; how the last rounds went can
+(offline, SmolLM2 -> Qwen 0.5B: held-out AUC 0.867 -> 0.874, simulated
+throughput at gamma 0.7 +3 points on math and chat). Measured on 1,741 labels from SmolLM2 -> Qwen 0.5B
 (first 75 % to train, last 25 % held out): held-out AUC 0.91 with them, 0.86
 with the 576-dim hidden state added (it overfits at this data size); the
 token's log q alone has AUC 0.92. The loss is plain BCE: the stopping rule
@@ -86,17 +91,20 @@ class PolicyConfig:
     update_every: int = 8  # rounds between head updates
     buffer: int = 8192  # bounded replay buffer of (features, label)
     hidden: bool = False  # add the drafter's hidden state to the head's features
+    recent_decay: float = 0.9  # weight of the past in the reply's recent acceptance, per label
 
 
-def token_features(hidden: mx.array | None, logits: mx.array, token, depth) -> mx.array:
-    """What the head sees of a drafted token (or, given rows, of each): the token's
-    log-probability, the distribution's entropy and the draft depth, after the
-    hidden state if given."""
+FEATURES = ("log_q", "entropy", "depth", "recent_acceptance")  # after the hidden state, if any
+
+
+def token_features(hidden: mx.array | None, logits: mx.array, token, depth, recent) -> mx.array:
+    """What the head sees of a drafted token (or, given rows, of each): FEATURES,
+    after the hidden state if given."""
     logprobs = logits.astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     entropy = -(mx.exp(logprobs) * logprobs).sum(-1)
     logq = mx.take_along_axis(logprobs, mx.array(token)[..., None], -1)[..., 0]
-    extra = mx.stack([logq, entropy, mx.array(depth, dtype=mx.float32)], -1)
+    extra = mx.stack([logq, entropy, mx.array(depth, dtype=mx.float32), mx.array(recent, dtype=mx.float32)], -1)
     return extra if hidden is None else mx.concatenate([hidden.astype(mx.float32), extra], -1)
 
 
@@ -117,6 +125,26 @@ def replay_depths(kept: np.ndarray, max_k: int) -> np.ndarray:
                 break
         start += n + bool(kept[start + n - 1])  # a fully accepted round ends with the target's own token
     return depths
+
+
+def update_recent(recent: float, labels, decay: float) -> float:
+    """The recent acceptance after a round's labels."""
+    for label in labels:
+        recent = decay * recent + (1 - decay) * float(label)
+    return recent
+
+
+def replay_recent(kept: np.ndarray, depths: np.ndarray, decay: float) -> np.ndarray:
+    """The recent acceptance each position of a replayed reply (`replay_depths`)
+    is drafted with: every token of a round sees the value from before it."""
+    recent, before, out = 1.0, 1.0, np.ones(len(kept), np.float32)
+    for i, (label, depth) in enumerate(zip(kept, depths)):
+        if depth == 0:
+            before = recent
+        out[i] = before
+        if depth >= 0:
+            recent = update_recent(recent, [label], decay)
+    return out
 
 
 class AcceptanceHead(nn.Module):
@@ -142,6 +170,7 @@ class DraftPolicy:
         self.labels: list[float] = []
         self.rounds = 0
         self._survival = 1.0  # prod of P(accept) over this round's tokens
+        self.recent = 1.0  # the reply's recent acceptance (a head feature)
         # Decaying sums over rounds: drafting s, drafter forwards, round s, tokens emitted; and for the
         # fit of verification s (v) on draft tokens (n): rounds, n, n^2, v, n*v.
         self._cost = np.zeros(9)
@@ -177,6 +206,9 @@ class DraftPolicy:
     def ready(self) -> bool:
         return self.head is not None and len(self.labels) >= self.cfg.warmup
 
+    def begin_reply(self) -> None:
+        self.recent = 1.0
+
     def begin_round(self) -> None:
         self._survival = 1.0
 
@@ -184,8 +216,10 @@ class DraftPolicy:
     def needs_features(self) -> bool:
         return self.cfg.name == "learned"
 
-    def features_of(self, hidden: mx.array, logits: mx.array, token: int, depth: int) -> mx.array:
-        return token_features(hidden if self.cfg.hidden else None, logits, token, depth)
+    def features_of(self, hidden: mx.array, logits: mx.array, token, depth, recent=None) -> mx.array:
+        """The head's features of a drafted token (rows, given a replay's depths and recent acceptance)."""
+        recent = self.recent if recent is None else recent
+        return token_features(hidden if self.cfg.hidden else None, logits, token, depth, recent)
 
     def wants_more(self, logits: mx.array, token: int, features: mx.array | None) -> bool:
         """Whether to draft one more token after the one just drafted (from `logits`).
@@ -210,6 +244,7 @@ class DraftPolicy:
             return
         # P(accept | previous accepted): tokens after the first rejection carry no label.
         labels = list(accepted[: accepted.index(False) + 1] if False in accepted else accepted)
+        self.recent = update_recent(self.recent, labels, self.cfg.recent_decay)
         self.rounds += 1
         due = self.rounds % self.cfg.update_every == 0 and len(self.labels) + len(labels) >= 32
         self.learn(np.stack([np.array(f) for f in features[: len(labels)]]), labels, steps=4 if due else 0)
@@ -252,6 +287,7 @@ class DraftPolicy:
         arrays["features"] = np.stack(self.features).astype(np.float16)
         arrays["labels"] = np.array(self.labels, dtype=np.float32)
         arrays["rounds"] = np.array(self.rounds)
+        arrays["feature_names"] = np.array(FEATURES)
         buf = io.BytesIO()
         np.savez(buf, **arrays)
         atomic_write_bytes(path, buf.getvalue())
@@ -262,7 +298,8 @@ class DraftPolicy:
         if not Path(path).exists():
             return
         with np.load(path) as data:
-            if (data["features"].shape[1] > 3) != self.cfg.hidden:
+            names = data["feature_names"].tolist() if "feature_names" in data.files else []
+            if names != list(FEATURES) or (data["features"].shape[1] > len(FEATURES)) != self.cfg.hidden:
                 return  # learned on other features: start afresh
             self.features = list(data["features"].astype(np.float32))
             self.labels = data["labels"].tolist()

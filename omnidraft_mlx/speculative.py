@@ -189,6 +189,7 @@ def speculative_generate(
     if cfg.k < 1:
         raise OmniDraftError(f"draft length k must be at least 1 (got {cfg.k})")
     policy = policy or DraftPolicy(PolicyConfig(k=cfg.k))
+    policy.begin_reply()
     vmap, greedy = pair.vmap, cfg.temp == 0
     by_text = greedy and cfg.translation == "text" and not vmap.same_vocab
     ngrams = None if vmap.same_vocab or (not greedy and cfg.sampling == "exact") else pair.ngrams

@@ -8,7 +8,7 @@ from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.adapt import head_labels
 from omnidraft_mlx.distill import make_example
 from omnidraft_mlx.pair import make_pair
-from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, replay_depths
+from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, replay_depths, replay_recent
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, drafted_and_kept, speculative_generate
 from tiny_models import TEXT
@@ -109,6 +109,18 @@ def test_saved_head_on_other_features_is_not_reused(cross, tmp_path):
     fresh = DraftPolicy(PolicyConfig(name="learned", k=4))
     fresh.load(tmp_path / "head.npz")
     assert fresh.head is None and not fresh.labels
+    # A head saved before its features were named (an older profile's, without the recent acceptance).
+    cheap = DraftPolicy(PolicyConfig(name="learned", k=4))
+    run(cross, cheap, PROMPTS[:2])
+    cheap.save(tmp_path / "cheap.npz")
+    with np.load(tmp_path / "cheap.npz") as data:
+        older = {k: data[k] for k in data.files if k != "feature_names"}
+    older["features"] = older["features"][:, :3]
+    np.savez(tmp_path / "older.npz", **older)
+    for name, restarts in (("cheap.npz", False), ("older.npz", True)):
+        loaded = DraftPolicy(PolicyConfig(name="learned", k=4))
+        loaded.load(tmp_path / name)
+        assert (loaded.head is None) == restarts
 
 
 def test_labels_follow_the_text(cross):
@@ -172,6 +184,17 @@ def test_replay_depths_follow_greedy_rounds():
     assert replay_depths(kept, 3).tolist() == [0, 1, 2, 0, 1, 2, -1, 0, 0]
 
 
+def test_replay_recent_is_the_mean_of_earlier_rounds():
+    # rounds of up to 3 as above; decay 0.5: each label halves the distance to it
+    kept = np.array([1, 1, 0, 1, 1, 1, 1, 0, 1], bool)
+    depths = replay_depths(kept, 3)
+    after_round1 = ((1 * 0.5 + 0.5) * 0.5 + 0.5) * 0.5  # 1.0, then labels 1, 1, 0
+    after_round2 = ((after_round1 * 0.5 + 0.5) * 0.5 + 0.5) * 0.5 + 0.5  # then 1, 1, 1; the bonus carries none
+    after_round3 = after_round2 * 0.5  # then 0
+    expected = [1.0] * 3 + [after_round1] * 4 + [after_round2, after_round3]
+    np.testing.assert_allclose(replay_recent(kept, depths, 0.5), expected)
+
+
 def test_head_labels_replay_what_decoding_gives_the_head(tiny):
     """Batch mode's teacher-forced replay of a reply gives the acceptance head the
     same labels and features that speculative decoding of it gives, round by round
@@ -193,3 +216,4 @@ def test_head_labels_replay_what_decoding_gives_the_head(tiny):
         np.testing.assert_allclose(features[:n], np.stack(live.features[before : before + n]), atol=2e-3)
         compared += kept[:n].tolist()
     assert len(compared) > 60 and 0 < np.mean(compared) < 1
+    assert len(set(np.stack(live.features)[:, -1].tolist())) > 5  # the recent acceptance moved, and matched
