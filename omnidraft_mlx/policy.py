@@ -36,13 +36,13 @@ held-out AUC 0.867 -> 0.874; simulated throughput +2.6 to +3.0 points per task
 at gamma 0.7 with a drafter forward at 0.15 of a target step, computed from the
 simulated policy's own rounds as decoding does; benchmarked with heads
 relabelled for it, math went from -1.6 % / -1.4 % to +5.9 % / +4.3 % over the
-best fixed length on Qwen 0.5B / 1.5B, bench/results/policies/ v8 -> v9). The hidden state is optional:
-on 1,741 labels from SmolLM2 -> Qwen 0.5B (first 75 % to train, last 25 % held
-out), held-out AUC 0.91 with the token's three signals, 0.86 with the 576-dim
-hidden state added (it overfits at this data size); the token's log q alone
-has AUC 0.92. The loss is plain BCE: the stopping rule
-multiplies probabilities, so they must be calibrated (class-balanced weights
-shifted the mean prediction from 0.90 to 0.72).
+best fixed length on Qwen 0.5B / 1.5B, bench/results/policies/ v8 -> v9).
+The hidden state is optional: on 1,741 labels from SmolLM2 -> Qwen 0.5B (first
+75 % to train, last 25 % held out), held-out AUC 0.91 with the token's three
+signals, 0.86 with the 576-dim hidden state added (it overfits at this data
+size); the token's log q alone has AUC 0.92. The loss is plain BCE: the
+stopping rule multiplies probabilities, so they must be calibrated
+(class-balanced weights shifted the mean prediction from 0.90 to 0.72).
 """
 
 from __future__ import annotations
