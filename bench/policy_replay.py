@@ -1,0 +1,207 @@
+"""What a draft-length policy could gain on a bench run's own replies, offline.
+
+Replays greedy speculative decoding over the target replies a bench recorded
+(its plain method's outputs). One teacher-forced drafter forward per reply
+gives, at each position, the token the drafter would draft there and whether
+the reply goes on with it (as `adapt.head_labels` does); rounds are then
+played with each policy asked exactly what `speculative_generate` asks it
+(`wants_more`, `observe`, `time_round`), and priced with the per-round costs
+fitted from the same bench's fixed-k records. Any gamma, the oracle and the
+fixed lengths come out side by side in a minute, without decoding; the
+bench's measured speedups stand beside the replayed ones, to show how far to
+trust the replay. The learned policy starts from the profile's head and
+learns as it goes, as in the bench.
+
+    ./run.sh python -m omnidraft_mlx.bench.policy_replay BENCH_DIR [--gammas 0.3,0.5,0.7,auto]
+
+writes BENCH_DIR/replay.json and replay.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from omnidraft_mlx.policy import FEATURES, DraftPolicy, PolicyConfig, parse_gamma
+
+
+@dataclass
+class RoundCost:
+    """Seconds of one round, fitted on a bench's fixed-k records (least squares over k)."""
+    step_s: float  # a plain target step
+    resync_s: float  # the drafter's re-sync forward, which drafts the first token
+    forward_s: float  # each further drafter forward
+    verify_s: float  # the target's verification forward, before its draft tokens
+    token_s: float  # verifying one more draft token
+
+    def round_s(self, drafted: int) -> float:
+        return self.resync_s + self.forward_s * (drafted - 1) + self.verify_s + self.token_s * drafted
+
+
+def fit_costs(records: list[dict]) -> RoundCost:
+    plain = [r for r in records if r["kind"] == "plain"]
+    fixed = [r for r in records if r["kind"] == "ours" and r["policy"] == "fixed" and r["rounds"]]
+    if len({r["k"] for r in fixed}) < 2:
+        raise SystemExit("the bench must have run at least two fixed draft lengths (--k) to price a draft token")
+    per_round = np.array([[r["draft_forwards"], r["draft_s"], r["proposed"], r["verify_s"]] for r in fixed])
+    per_round /= np.array([r["rounds"] for r in fixed])[:, None]
+    forward_s, resync_s = np.polyfit(per_round[:, 0], per_round[:, 1], 1)
+    token_s, verify_s = np.polyfit(per_round[:, 2], per_round[:, 3], 1)
+    step_s = sum(r["generate_s"] for r in plain) / sum(r["tokens"] for r in plain)
+    return RoundCost(step_s, resync_s, forward_s, verify_s, token_s)
+
+
+@dataclass
+class Reply:
+    task: str
+    target_tokens: int
+    drafted: np.ndarray  # the drafter's greedy token at each position of the reply (its tokenization)
+    kept: np.ndarray  # does the reply go on with it
+    features: np.ndarray  # the head's features there, depth 0 and recent acceptance 1 (set per round)
+
+
+def teacher_forced(pair, policy: DraftPolicy, prompt: str, target_ids: list[int], task: str) -> Reply:
+    from omnidraft_mlx.prompts import encode_prompt, user_messages
+    from omnidraft_mlx.speculative import output_head
+
+    prompt_ids = encode_prompt(pair.draft_tok, user_messages(prompt))
+    reply = list(pair.draft_tok.encode(pair.target_tok.decode(target_ids), add_special_tokens=False))
+    hidden = pair.draft.model(mx.array(prompt_ids + reply)[None])[0, len(prompt_ids) - 1 : -1]
+    logits = output_head(pair.draft)(hidden)
+    drafted = mx.argmax(logits, axis=-1)
+    n = len(reply)
+    features = policy.features_of(hidden, logits, drafted, mx.zeros(n), mx.ones(n))
+    return Reply(task, len(target_ids), np.array(drafted), np.array(drafted) == np.array(reply), np.array(features))
+
+
+DEPTH, RECENT = (FEATURES.index(name) - len(FEATURES) for name in ("depth", "recent_acceptance"))
+
+
+def replay(reply: Reply, policy: DraftPolicy, cost: RoundCost, oracle: bool = False) -> tuple[float, int, int]:
+    """Decode `reply` under `policy` (or the oracle: draft while the drafter is right):
+    (seconds, rounds, draft tokens proposed)."""
+    policy.begin_reply()
+    start, seconds, rounds, proposed, n = 0, 0.0, 0, 0, len(reply.kept)
+    while start < n:
+        policy.begin_round()
+        limit = min(policy.max_len, n - start)
+        feats = []
+        for i in range(limit):
+            f = None
+            if policy.needs_features:
+                f = reply.features[start + i].copy()
+                f[DEPTH], f[RECENT] = i, policy.recent
+                f = mx.array(f)
+            feats.append(f)
+            more = reply.kept[start + i] if oracle else policy.wants_more(None, int(reply.drafted[start + i]), f)
+            if i == limit - 1 or not more:
+                break
+        drafted = len(feats)
+        right = int(np.cumprod(reply.kept[start : start + drafted]).sum())
+        policy.observe(feats, [j < right for j in range(drafted)])
+        round_s = cost.round_s(drafted)
+        policy.time_round(draft_s=cost.resync_s + cost.forward_s * (drafted - 1), forwards=drafted,
+                          verify_s=cost.verify_s + cost.token_s * drafted, drafted=drafted, round_s=round_s,
+                          tokens=right + 1)
+        seconds, rounds, proposed, start = seconds + round_s, rounds + 1, proposed + drafted, start + right + 1
+    return seconds, rounds, proposed
+
+
+def measured(records: list[dict], task: str, method: str) -> float | None:
+    """The bench's speedup of `method` on `task`: its tokens over its time, against plain's."""
+    def rate(name):
+        rs = [r for r in records if r["task"] == task and r["method"] == name]
+        return sum(r["tokens"] for r in rs) / sum(r["generate_s"] for r in rs) if rs else None
+    ours, plain = rate(method), rate("plain")
+    return ours / plain if ours and plain else None
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("bench_dir", type=Path)
+    ap.add_argument("--gammas", default="0.2,0.3,0.4,0.5,0.6,0.7,0.8,auto")
+    ap.add_argument("--max-k", type=int, default=8)
+    args = ap.parse_args(argv)
+    result = json.loads((args.bench_dir / "bench.json").read_text())
+    records, cfg = result["records"], result["config"]
+    cost = fit_costs(records)
+
+    from omnidraft_mlx.bench.run import BenchConfig, load_pair
+    from omnidraft_mlx.bench.tasks import load_task
+    from omnidraft_mlx.profile import HEAD
+
+    pair, profile = load_pair(BenchConfig(draft=cfg["draft"], target=cfg["target"], tasks=cfg["tasks"]))
+    texts = {p.id: p.text for task in cfg["tasks"] for p in load_task(task, "heldout")}
+    features = DraftPolicy(PolicyConfig(name="learned", max_k=args.max_k))
+    replies = [teacher_forced(pair, features, texts[r["prompt_id"]], r["output"], r["task"])
+               for r in records if r["kind"] == "plain"]
+
+    def learned(gamma):
+        policy = DraftPolicy(PolicyConfig(name="learned", max_k=args.max_k, gamma=gamma))
+        policy.load(Path(profile["path"]) / HEAD)
+        return policy
+
+    methods = {f"ours-k{k}": lambda k=k: DraftPolicy(PolicyConfig(k=k)) for k in range(1, args.max_k + 1)}
+    for text in args.gammas.split(","):
+        gamma = parse_gamma(text)
+        methods["ours-learned" if gamma is None else f"ours-learned-g{gamma:g}"] = lambda g=gamma: learned(g)
+    methods["ours-oracle"] = lambda: DraftPolicy(PolicyConfig(name="oracle", max_k=args.max_k))
+
+    rows = []
+    for task in cfg["tasks"]:
+        task_replies = [r for r in replies if r.task == task]
+        tokens = sum(r.target_tokens for r in task_replies)
+        for name, make in methods.items():
+            policy = make()
+            runs = [replay(r, policy, cost, oracle=name == "ours-oracle") for r in task_replies]
+            seconds, rounds, proposed = (sum(x) for x in zip(*runs))
+            rows.append({"task": task, "method": name, "speedup": tokens / seconds * cost.step_s,
+                         "measured": measured(records, task, name), "draft_per_round": proposed / rounds})
+    report = {"bench": str(args.bench_dir), "cost": vars(cost), "max_k": args.max_k, "rows": rows}
+    (args.bench_dir / "replay.json").write_text(json.dumps(report, indent=1))
+    print_table(report)
+    plot(report, args.bench_dir / "replay.png")
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"replayed on {report['bench']} (speedup over plain, by total time)")
+    for col in ("task", "method", "replayed", "vs best fixed", "measured", "draft/round"):
+        table.add_column(col)
+    for row in report["rows"]:
+        best = max(r["speedup"] for r in report["rows"] if r["task"] == row["task"] and r["method"][6:].isdigit()
+                   and r["method"].startswith("ours-k"))
+        table.add_row(row["task"], row["method"], f"{row['speedup']:.2f}x", f"{row['speedup'] / best - 1:+.1%}",
+                      f"{row['measured']:.2f}x" if row["measured"] else "", f"{row['draft_per_round']:.2f}")
+    Console().print(table)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Replayed speedup against gamma per task, with the best fixed length and the oracle."""
+    from omnidraft_mlx.bench.plots import _save, plt
+
+    tasks = list(dict.fromkeys(r["task"] for r in report["rows"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, task in enumerate(tasks):
+        rows = {r["method"]: r["speedup"] for r in report["rows"] if r["task"] == task}
+        swept = sorted((float(m.rsplit("-g", 1)[1]), v) for m, v in rows.items() if "-learned-g" in m)
+        best = max((v, m) for m, v in rows.items() if m[6:].isdigit() and m.startswith("ours-k"))
+        ax.plot(*zip(*swept), marker="o", color=f"C{i}", label=f"{task}: learned")
+        ax.axhline(best[0], color=f"C{i}", ls=":", lw=1, label=f"{task}: best fixed ({best[1]})")
+        ax.axhline(rows["ours-oracle"], color=f"C{i}", ls="--", lw=1, label=f"{task}: oracle")
+    ax.set_xlabel("gamma (stop drafting when P(a rejection) > gamma)")
+    ax.set_ylabel("replayed speedup over plain")
+    ax.set_title(f"policy replay: {report['bench']}", fontsize=8)
+    ax.legend(fontsize=6, ncol=3)
+    _save(fig, path)
+
+
+if __name__ == "__main__":
+    main()
