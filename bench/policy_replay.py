@@ -74,17 +74,14 @@ class Reply:
 
 
 def teacher_forced(pair, policy: DraftPolicy, prompt: str, target_ids: list[int], task: str) -> Reply:
+    from omnidraft_mlx.adapt import drafter_on_reply
     from omnidraft_mlx.prompts import encode_prompt, user_messages
-    from omnidraft_mlx.speculative import output_head
 
     prompt_ids = encode_prompt(pair.draft_tok, user_messages(prompt))
     reply = list(pair.draft_tok.encode(pair.target_tok.decode(target_ids), add_special_tokens=False))
-    hidden = pair.draft.model(mx.array(prompt_ids + reply)[None])[0, len(prompt_ids) - 1 : -1]
-    logits = output_head(pair.draft)(hidden)
-    drafted = mx.argmax(logits, axis=-1)
-    n = len(reply)
-    features = policy.features_of(hidden, logits, drafted, mx.zeros(n), mx.ones(n))
-    return Reply(task, len(target_ids), np.array(drafted), np.array(drafted) == np.array(reply), np.array(features))
+    hidden, logits, drafted, kept = drafter_on_reply(pair, prompt_ids + reply, len(prompt_ids))
+    features = policy.features_of(hidden, logits, drafted, mx.zeros(len(reply)), mx.ones(len(reply)))
+    return Reply(task, len(target_ids), np.array(drafted), kept, np.array(features))
 
 
 DEPTH, RECENT = (FEATURES.index(name) - len(FEATURES) for name in ("depth", "recent_acceptance"))

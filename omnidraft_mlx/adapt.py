@@ -327,6 +327,16 @@ def batch(learner: OnlineLearner, samples: list[Sample], max_tokens: int, budget
     return records
 
 
+def drafter_on_reply(pair: Pair, ids: list[int], start: int) -> tuple[mx.array, mx.array, mx.array, np.ndarray]:
+    """One teacher-forced drafter forward over prompt + reply (`ids`, the reply from `start`): at each
+    reply position, the drafter's hidden state, logits, the token it would draft, and whether the reply
+    goes on with that token."""
+    hidden = pair.draft.model(mx.array(ids)[None])[0, start - 1 : -1]
+    logits = output_head(pair.draft)(hidden)
+    drafted = mx.argmax(logits, axis=-1)
+    return hidden, logits, drafted, np.array(drafted) == np.array(ids[start:])
+
+
 def head_labels(pair: Pair, example: Example, policy: DraftPolicy) -> tuple[np.ndarray, np.ndarray]:
     """Acceptance-head data from a reply the drafter did not decode (batch mode):
     one teacher-forced drafter forward gives, at every reply position, the token
@@ -338,10 +348,7 @@ def head_labels(pair: Pair, example: Example, policy: DraftPolicy) -> tuple[np.n
     ids, start = example.draft_ids, max(1, example.reply_start)
     if len(ids) <= start:
         return np.zeros((0, 0), np.float32), np.zeros(0, bool)
-    hidden = pair.draft.model(mx.array(ids)[None])[0, start - 1 : -1]
-    logits = output_head(pair.draft)(hidden)
-    drafted = mx.argmax(logits, axis=-1)
-    kept = np.array(drafted) == np.array(ids[start:])
+    hidden, logits, drafted, kept = drafter_on_reply(pair, ids, start)
     depths = replay_depths(kept, policy.cfg.max_k)
     recent = replay_recent(kept, depths, policy.cfg.recent_decay)
     features = np.array(policy.features_of(hidden, logits, drafted, mx.array(depths), mx.array(recent)))
