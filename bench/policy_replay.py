@@ -20,7 +20,7 @@ there half the rejections at k1 are of a drafted token whose text is right but
 ends inside a longer target token (`)` against the target's `):\n`), which the
 replay, counting in the drafter's tokens, takes as kept.
 
-    ./run.sh python -m omnidraft_mlx.bench.policy_replay BENCH_DIR [--gammas 0.3,0.5,0.7,auto] [--in-sample]
+    ./run.sh python -m omnidraft_mlx.bench.policy_replay BENCH_DIR [--gamma 0.3,0.5,0.7,auto] [--in-sample]
 
 writes BENCH_DIR/replay.json and replay.png.
 """
@@ -35,6 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.policy import FEATURES, DraftPolicy, PolicyConfig, parse_gamma, replay_depths, replay_recent
 
 
@@ -141,14 +142,22 @@ def measured(records: list[dict], task: str, method: str) -> float | None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bench_dir", type=Path)
-    ap.add_argument("--gammas", default="0.2,0.3,0.4,0.5,0.6,0.7,0.8,auto")
+    ap.add_argument("--gamma", default="0.2,0.3,0.4,0.5,0.6,0.7,0.8,auto")
     ap.add_argument("--max-k", type=int, default=8)
     ap.add_argument("--in-sample", action="store_true",
                     help="also replay heads fitted on each task's replies themselves: the most any head on its "
                          "features could gain there")
     args = ap.parse_args(argv)
+    if not (args.bench_dir / "bench.json").is_file():
+        raise SystemExit(f"no bench.json in {args.bench_dir}: give the --out folder of an `omnidraft bench` run")
     result = json.loads((args.bench_dir / "bench.json").read_text())
     records, cfg = result["records"], result["config"]
+    if not cfg["use_profile"]:
+        raise SystemExit("that bench ran without the pair's profile (--no-profile): the replay needs its head")
+    try:
+        gammas = [parse_gamma(text) for text in args.gamma.split(",")]
+    except OmniDraftError as e:
+        raise SystemExit(str(e)) from None
     cost = fit_costs(records)
     mx.random.seed(0)  # heads start from the same weights on every run
 
@@ -158,8 +167,8 @@ def main(argv=None) -> None:
 
     pair, profile = load_pair(BenchConfig(draft=cfg["draft"], target=cfg["target"], tasks=cfg["tasks"]))
     texts = {p.id: p.text for task in cfg["tasks"] for p in load_task(task, "heldout")}
-    features = DraftPolicy(PolicyConfig(name="learned", max_k=args.max_k))
-    replies = [teacher_forced(pair, features, texts[r["prompt_id"]], r["output"], r["task"])
+    feature_policy = DraftPolicy(PolicyConfig(name="learned", max_k=args.max_k))
+    replies = [teacher_forced(pair, feature_policy, texts[r["prompt_id"]], r["output"], r["task"])
                for r in records if r["kind"] == "plain"]
 
     def learned(gamma, fit_on=None):
@@ -174,8 +183,7 @@ def main(argv=None) -> None:
     for task in cfg["tasks"]:
         task_replies = [r for r in replies if r.task == task]
         methods = {f"ours-k{k}": lambda k=k: DraftPolicy(PolicyConfig(k=k)) for k in range(1, args.max_k + 1)}
-        for text in args.gammas.split(","):
-            gamma = parse_gamma(text)
+        for gamma in gammas:
             suffix = "" if gamma is None else f"-g{gamma:g}"
             methods[f"ours-learned{suffix}"] = lambda g=gamma: learned(g)
             if args.in_sample:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from omnidraft_mlx.bench.policy_replay import Reply, RoundCost, fit_costs, replay
+from omnidraft_mlx.bench.policy_replay import Reply, RoundCost, fit_costs, main, replay
 from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
 
 
@@ -31,3 +31,8 @@ def test_replay_plays_rounds_as_decoding_does():
     # Oracle: drafts 0, 1 and the wrong 2 (3 tokens, 2.0 s); then the 2 positions left (1.7 s).
     oracle = DraftPolicy(PolicyConfig(name="oracle", max_k=8))
     assert replay(reply, oracle, cost, oracle=True) == pytest.approx((2.0 + 1.7, 2, 5))
+
+
+def test_bad_input_is_a_one_line_error(tmp_path):
+    with pytest.raises(SystemExit, match="no bench.json in"):
+        main([str(tmp_path)])
