@@ -1,0 +1,79 @@
+"""KV caches that speculation can roll back, and reuse of a cached prefix.
+
+A speculative round writes draft positions into a model's cache and removes the
+rejected ones again; a trim that trims less than asked leaves rejected tokens in
+the cache and silently breaks losslessness, so every trim here is checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from omnidraft_mlx.errors import OmniDraftError
+
+PREFILL_CHUNK = 512
+
+
+def make_cache(model) -> list:
+    """A fresh per-layer cache for `model` that rolls back."""
+    return make_prompt_cache(model)
+
+
+def trim_cache(cache: list, n: int) -> None:
+    """Remove the last n positions from every layer, or fail loudly."""
+    if n <= 0:
+        return
+    trimmed = trim_prompt_cache(cache, n)
+    if trimmed != n:
+        raise OmniDraftError(
+            f"a KV cache could not roll back {n} positions (trimmed {trimmed}): this model's cache "
+            "cannot be trimmed; use plain decoding (--model) for it"
+        )
+
+
+def prefill(model, cache: list, ids: list[int]) -> mx.array | None:
+    """Feed ids through model into cache (in chunks); final hidden state of the last position."""
+    hidden = None
+    for start in range(0, len(ids), PREFILL_CHUNK):
+        hidden = model.model(mx.array(ids[start : start + PREFILL_CHUNK])[None], cache=cache)[0, -1]
+        mx.eval(hidden)
+    return hidden
+
+
+@dataclass
+class KVSlot:
+    """A model's cache and the token ids it holds, in order."""
+
+    cache: list
+    tokens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def fresh(cls, model) -> "KVSlot":
+        return cls(make_cache(model))
+
+    def common_prefix(self, ids: list[int]) -> int:
+        n = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def rewind(self, n: int) -> None:
+        """Keep the first n tokens."""
+        trim_cache(self.cache, len(self.tokens) - n)
+        del self.tokens[n:]
+
+    def extend(self, model, ids: list[int]) -> mx.array | None:
+        """Feed ids after what the cache holds; the last position's hidden state."""
+        self.tokens += ids
+        return prefill(model, self.cache, ids)
+
+    def reuse(self, model, ids: list[int], keep_last: int = 0) -> mx.array | None:
+        """Make the cache hold exactly ids: keep the common prefix, feed the rest.
+        keep_last > 0 feeds at least that many tokens (to get their hidden state)."""
+        self.rewind(min(self.common_prefix(ids), len(ids) - keep_last))
+        return self.extend(model, ids[len(self.tokens) :])
