@@ -15,6 +15,10 @@ teacher-forced variant for local documents).
   in chat transcripts): one target forward per chunk, no generation.
 After every update the profile is saved (adapter, optimizer, n-grams, corpus
 position), so `omnidraft adapt` resumes where it stopped.
+Batch mode also runs under `mlx.launch` (omnidraft_mlx.distributed): each rank
+answers its share of every update's prompts, the ranks average their gradients,
+every rank learns n-grams and head labels from all ranks' replies, and rank 0
+alone saves the profile.
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ import mlx.core as mx
 import numpy as np
 
 from omnidraft_mlx.distill import DistillConfig, Distiller, Example, StepStats, make_example
+from omnidraft_mlx.distributed import all_sum, gather_rows, shard, world
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.policy import DraftPolicy, replay_depths, replay_recent
 from omnidraft_mlx.profile import Profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, output_head, speculative_generate
+from omnidraft_mlx.drafter import output_head
+from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
 
 TEXT_SUFFIXES_SKIPPED = {".png", ".jpg", ".jpeg", ".gif", ".pdf", ".zip", ".gz", ".bin", ".safetensors", ".pyc"}
 
@@ -153,6 +159,7 @@ class OnlineLearner:
     trainable=True) or distill.setup_trainable) before the learner is made.
     `policy`, when given, is the draft-length policy the decoding uses: its
     acceptance head (trained as it decodes) is saved with every update.
+    Under mlx.launch only rank 0 writes the profile.
     """
 
     def __init__(self, pair: Pair, cfg: DistillConfig, interval: int = 8, profile: Profile | None = None,
@@ -162,8 +169,9 @@ class OnlineLearner:
         self.pair, self.cfg, self.interval, self.profile, self.raw = pair, cfg, interval, profile, raw
         self.policy = policy
         if policy is not None and profile is not None:
-            policy.load(profile.head_path)
-        self.distiller = Distiller(pair, cfg)
+            profile.attach_policy(policy)  # saved with every update
+        self.group = world()
+        self.distiller = Distiller(pair, cfg, self.group)
         if profile is not None:
             profile.load_optimizer(self.distiller.opt)
         self.buffer: list[Example] = []
@@ -172,13 +180,16 @@ class OnlineLearner:
         self.last: UpdateReport | None = None
         self.updates = profile.updates if profile else 0
 
+    def example(self, messages: list[dict], reply_target_ids: list[int]) -> Example:
+        """The training example of a reply to `messages` (each model gets its own chat template)."""
+        return make_example(self.pair, encode_prompt(self.pair.draft_tok, messages, self.raw),
+                            encode_prompt(self.pair.target_tok, messages, self.raw),
+                            list(reply_target_ids), self.cfg.max_len)
+
     def observe(self, messages: list[dict], reply_target_ids: list[int]) -> None:
-        """Queue a verified reply to `messages` (each model gets its own chat template)."""
-        if not reply_target_ids:
-            return
-        self.add(make_example(self.pair, encode_prompt(self.pair.draft_tok, messages, self.raw),
-                              encode_prompt(self.pair.target_tok, messages, self.raw),
-                              list(reply_target_ids), self.cfg.max_len))
+        """Queue a verified reply to `messages`."""
+        if reply_target_ids:
+            self.add(self.example(messages, reply_target_ids))
 
     def add(self, example: Example) -> None:
         self.buffer.append(example)
@@ -189,17 +200,22 @@ class OnlineLearner:
         self.update()
         return True
 
-    def update(self, record: dict | None = None) -> UpdateReport | None:
-        """One update on the buffer (whatever its size), then save and clear it."""
-        if not self.buffer:
-            return None
+    def update(self, record: dict | None = None, batches: list[list[Example]] | None = None) -> UpdateReport | None:
+        """One update on the buffer (whatever its size), then save and clear it; or, under
+        mlx.launch, on this rank's share of each gradient batch (`batches`, as many on every rank)."""
+        if batches is None:
+            if not self.buffer:
+                return None
+            batches = [self.buffer[i : i + self.cfg.batch] for i in range(0, len(self.buffer), self.cfg.batch)]
         start = time.perf_counter()
-        steps = self.distiller.update(self.buffer)
+        steps = self.distiller.update_batches(batches)
         self.updates += 1
-        report = UpdateReport(self.updates, len(self.buffer), self.cfg.steps, steps)
+        examples = int(all_sum(mx.array(sum(map(len, batches))), self.group).item())
+        report = UpdateReport(self.updates, examples, self.cfg.steps, steps)
         report.seconds = time.perf_counter() - start
         self.buffer = []
-        if self.profile is not None:
+        self.last = report  # before the save: a Ctrl-C held through it arrives after
+        if self.profile is not None and self.group.rank() == 0:
             t0 = time.perf_counter()
             self.profile.save(
                 self.pair.draft, self.distiller.opt, self.cfg.__dict__, self.corpus, self.position,
@@ -207,10 +223,8 @@ class OnlineLearner:
                  "seconds": round(report.seconds, 2), "tokens_per_s": round(report.tokens_per_s, 1),
                  "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 2), **(record or {})},
             )
-            if self.policy is not None:
-                self.policy.save(self.profile.head_path)
+            self.updates = report.update = self.profile.updates  # another process's updates count too
             report.save_s = time.perf_counter() - t0
-        self.last = report
         return report
 
 
@@ -250,6 +264,10 @@ class Budget:
         if self.max_prompts is not None and done >= self.max_prompts:
             return True
         return self.minutes is not None and time.monotonic() - self.start >= 60 * self.minutes
+
+    def spent_anywhere(self, done: int, group) -> bool:
+        """Whether any rank's budget is spent (their clocks differ; all must stop together)."""
+        return all_sum(mx.array(int(self.spent(done))), group).item() > 0
 
 
 @dataclass
@@ -300,29 +318,42 @@ def batch(learner: OnlineLearner, samples: list[Sample], max_tokens: int, budget
           on_event: Callable[[Event], None] = lambda e: None) -> list[dict]:
     """The target answers `interval` prompts per batched greedy decoding; an update follows.
 
-    Returns one record per prompt (its reply's target ids)."""
+    Under mlx.launch the `interval` prompts are shared between the ranks (distributed.shard)
+    and every rank learns n-grams and acceptance labels from all the replies, in corpus
+    order, as one process would. Returns one record per prompt (its reply's target ids)."""
     from mlx_lm.generate import batch_generate
 
-    pair, records, done = learner.pair, [], 0
-    while learner.position < len(samples) and not budget.spent(done):
-        chunk = samples[learner.position : learner.position + learner.interval]
+    pair, policy, group, records, done = learner.pair, learner.policy, learner.group, [], 0
+    while learner.position < len(samples) and not budget.spent_anywhere(done, group):
+        start = learner.position
+        stop = min(len(samples), start + learner.interval)
         if budget.max_prompts is not None:
-            chunk = chunk[: budget.max_prompts - done]
-        prompts = [_prompt(s, "batch") for s in chunk]
-        ids = [encode_prompt(pair.target_tok, m, learner.raw) for m in prompts]
-        replies = batch_generate(pair.target, pair.target_tok, ids, max_tokens=max_tokens, return_token_ids=True,
-                                 prefill_batch_size=len(ids), completion_batch_size=len(ids)).token_ids
-        for msgs, reply in zip(prompts, replies):
+            stop = min(stop, start + budget.max_prompts - done)
+        parts = shard(start, stop, learner.cfg.batch, group.rank(), group.size())
+        mine = [i for part in parts for i in part]
+        prompts = {i: _prompt(samples[i], "batch") for i in mine}
+        ids = [encode_prompt(pair.target_tok, prompts[i], learner.raw) for i in mine]
+        replies = dict(zip(mine, batch_generate(
+            pair.target, pair.target_tok, ids, max_tokens=max_tokens, return_token_ids=True,
+            prefill_batch_size=len(ids), completion_batch_size=len(ids)).token_ids if ids else []))
+        examples = {i: learner.example(prompts[i], r) for i, r in replies.items() if r}
+        labels = {}
+        if policy is not None:  # before the update: what this drafter would have had accepted
+            labels = {i: head_labels(pair, ex, policy) for i, ex in examples.items()}
+        replies = gather_rows({i: np.array(r, np.int64) for i, r in replies.items()}, group)
+        for i in range(start, stop):
+            reply = replies[i].tolist()
             pair.learn_ngrams(reply)  # what verification would have taught the cache
-            learner.observe(msgs, reply)
-            learner.position, done = learner.position + 1, done + 1
-            records.append({"position": learner.position, "tokens": len(reply), "ngrams": len(pair.ngrams),
+            done += 1
+            records.append({"position": i + 1, "tokens": len(reply), "ngrams": len(pair.ngrams),
                             "updates": learner.updates, "reply": reply})
-        if learner.policy is not None:  # before the update: what this drafter would have had accepted
-            for example in learner.buffer:
-                features, kept = head_labels(pair, example, learner.policy)
-                learner.policy.learn(features, kept, steps=len(kept) // 8)
-        report = learner.update({"position": learner.position})
+        if policy is not None:
+            features = gather_rows({i: f for i, (f, _) in labels.items()}, group)
+            kept = gather_rows({i: k for i, (_, k) in labels.items()}, group)
+            for i in sorted(kept):
+                policy.learn(features[i], kept[i], steps=len(kept[i]) // 8)
+        learner.position = stop
+        report = learner.update({"position": stop}, [[examples[i] for i in part if i in examples] for part in parts])
         on_event(Event(done, learner.position, None, report))
     return records
 

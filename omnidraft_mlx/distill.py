@@ -127,8 +127,9 @@ def target_logprobs(pair: Pair, batch: list[Example], target_cols: mx.array) -> 
     return mx.stop_gradient(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
-def distill_loss(model, x, direct_rows, target_logp, ngram_rows, ngram_tok, draft_cols, lam):
-    """(mean loss, summed reverse KL, summed n-gram NLL) over one batch."""
+def distill_loss(model, x, direct_rows, target_logp, ngram_rows, ngram_tok, draft_cols, lam, count=None):
+    """(mean loss, summed reverse KL, summed n-gram NLL) over one batch; the mean is
+    over `count` positions where given (a rank's share of a batch split between ranks)."""
     h = model.model(x)
     h = h.reshape(-1, h.shape[-1])
     kl = nll = mx.array(0.0)
@@ -138,7 +139,7 @@ def distill_loss(model, x, direct_rows, target_logp, ngram_rows, ngram_tok, draf
         kl = (mx.exp(logq) * (logq - target_logp)).sum()  # reverse KL, by hand
     if ngram_rows.size:
         nll = nn.losses.cross_entropy(head_logits(model, h[ngram_rows]).astype(mx.float32), ngram_tok).sum()
-    count = max(1, direct_rows.size + ngram_rows.size)
+    count = max(1, direct_rows.size + ngram_rows.size) if count is None else count
     return (kl + lam * nll) / count, kl, nll
 
 
@@ -182,10 +183,17 @@ class StepStats:
 
 
 class Distiller:
-    """Gradient steps of the drafter on batches of Examples (AdamW)."""
+    """Gradient steps of the drafter on batches of Examples (AdamW).
 
-    def __init__(self, pair: Pair, cfg: DistillConfig):
+    Under mlx.launch each rank holds its share of every batch: its loss is
+    normalised by the batch's positions over all ranks divided by the number of
+    ranks, so averaging the ranks' gradients (mlx's average_gradients) gives the
+    gradient of the mean over the whole batch, the step one process would take,
+    and every rank applies the same update."""
+
+    def __init__(self, pair: Pair, cfg: DistillConfig, group: mx.distributed.Group | None = None):
         self.pair, self.cfg = pair, cfg
+        self.group = group or mx.distributed.init()
         cols = pair.vmap.draft_to_target
         # One draft column per mapped target id (several draft eos ids map to one).
         target_ids, first = np.unique(cols[cols >= 0], return_index=True)
@@ -198,30 +206,50 @@ class Distiller:
         """cfg.steps gradient steps on one batch; the target runs once for all of them."""
         import time
 
+        from mlx.nn.utils import average_gradients
+        from mlx.utils import tree_map
+
+        from omnidraft_mlx.distributed import all_sum
+
         t0 = time.perf_counter()
         batch = [e for e in batch if e.positions]
-        if not batch:
+        local = [sum(len(e.direct_draft) for e in batch), sum(len(e.ngram_pos) for e in batch),
+                 sum(len(e.draft_ids) for e in batch)]
+        n_d, n_n, tokens = np.array(all_sum(mx.array(local), self.group)).tolist()  # over all ranks
+        if not n_d + n_n:
             return []
-        target_logp = target_logprobs(self.pair, batch, self.target_cols)
-        x = _pad([e.draft_ids for e in batch])
-        width = x.shape[1]
-        direct = _flat([e.direct_draft for e in batch], width)
-        ngram = _flat([e.ngram_pos for e in batch], width)
-        ngram_tok = mx.array(np.concatenate([e.ngram_tok for e in batch]).astype(np.int32))
-        n_d, n_n, tokens = direct.size, ngram.size, sum(len(e.draft_ids) for e in batch)
+        share = (n_d + n_n) / self.group.size()
+        if batch:
+            target_logp = target_logprobs(self.pair, batch, self.target_cols)
+            x = _pad([e.draft_ids for e in batch])
+            width = x.shape[1]
+            direct = _flat([e.direct_draft for e in batch], width)
+            ngram = _flat([e.ngram_pos for e in batch], width)
+            ngram_tok = mx.array(np.concatenate([e.ngram_tok for e in batch]).astype(np.int32))
         out = []
         for _ in range(self.cfg.steps):
-            (loss, kl, nll), grads = self.grad_fn(
-                self.pair.draft, x, direct, target_logp, ngram, ngram_tok, self.draft_cols, self.cfg.lam
-            )
-            self.opt.update(self.pair.draft, grads)
-            mx.eval(loss, kl, nll, self.pair.draft.trainable_parameters(), self.opt.state)
+            if batch:
+                (_, kl, nll), grads = self.grad_fn(
+                    self.pair.draft, x, direct, target_logp, ngram, ngram_tok, self.draft_cols, self.cfg.lam, share
+                )
+            else:  # this rank has no part of the batch: it still takes part in the average
+                kl = nll = mx.array(0.0)
+                grads = tree_map(mx.zeros_like, self.pair.draft.trainable_parameters())
+            self.opt.update(self.pair.draft, average_gradients(grads, self.group))
+            kl, nll = all_sum(mx.stack([kl, nll]), self.group)
+            mx.eval(kl, nll, self.pair.draft.trainable_parameters(), self.opt.state)
             t1 = time.perf_counter()
-            out.append(StepStats(loss=loss.item(), kl=kl.item() / max(1, n_d), nll=nll.item() / max(1, n_n),
-                                 direct=n_d, ngram=n_n, tokens=tokens, seconds=t1 - t0))
+            out.append(StepStats(loss=(kl.item() + self.cfg.lam * nll.item()) / (n_d + n_n), kl=kl.item() / max(1, n_d),
+                                 nll=nll.item() / max(1, n_n), direct=n_d, ngram=n_n, tokens=tokens,
+                                 seconds=t1 - t0))
             t0 = t1
         return out
 
     def update(self, examples: list[Example]) -> list[StepStats]:
         """cfg.steps gradient steps on each batch of cfg.batch examples, batch after batch."""
-        return [s for i in range(0, len(examples), self.cfg.batch) for s in self.steps(examples[i : i + self.cfg.batch])]
+        return self.update_batches([examples[i : i + self.cfg.batch] for i in range(0, len(examples), self.cfg.batch)])
+
+    def update_batches(self, batches: list[list[Example]]) -> list[StepStats]:
+        """cfg.steps gradient steps on each batch in turn (under mlx.launch: this rank's
+        share of each; every rank passes the same number of batches)."""
+        return [s for batch in batches for s in self.steps(batch)]
