@@ -32,13 +32,16 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from omnidraft_mlx.align import spelled_bytes
-from omnidraft_mlx.bench.tasks import Prompt, load_task
+from omnidraft_mlx.bench.tasks import TASKS, Prompt, load_task
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.policy import POLICIES, DraftPolicy, PolicyConfig
-from omnidraft_mlx.profile import HEAD
+from omnidraft_mlx.profile import load_head
+from omnidraft_mlx.settings import check_choice, check_range
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, output_head, prefill, speculative_generate
+from omnidraft_mlx.drafter import output_head
+from omnidraft_mlx.kvcache import prefill
+from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
 
 WARMUP_PROMPT = "Say hello."
 BENCH_POLICIES = (*POLICIES[1:], "oracle")  # adaptive policies to compare; the oracle is a bound
@@ -60,6 +63,27 @@ class BenchConfig:
     time_limit_s: float | None = None  # start no new prompt after this long (whole prompts only)
     policies: list[str] = field(default_factory=list)  # adaptive draft-length policies to add
     gammas: list[float | None] = field(default_factory=lambda: [None])  # the learned policy's thresholds (None: auto)
+
+    def __post_init__(self):
+        if not self.tasks:
+            raise OmniDraftError("no task to run: use --task code, math, chat or all")
+        for task in self.tasks:
+            check_choice("--task", task, TASKS)
+        if not self.ks:
+            raise OmniDraftError("--k needs draft lengths, e.g. --k 3,4,5")
+        for k in self.ks:
+            check_range("--k", k, 1)
+        for translation in self.translations:
+            check_choice("--translation", translation, ("text", "tokens"))
+        for policy in self.policies:
+            check_choice("--policy", policy, BENCH_POLICIES)
+        for gamma in self.gammas:
+            if gamma is not None:
+                check_range("--gamma", gamma, 0.0, 1.0)
+        check_range("--prompts", self.prompts, 1)
+        check_range("--max-tokens", self.max_tokens, 1)
+        if self.time_limit_s is not None:
+            check_range("--time-limit", self.time_limit_s / 60, 0.0, open_low=True)  # set in minutes
 
 
 @dataclass(frozen=True)
@@ -127,7 +151,7 @@ def make_policies(cfg: BenchConfig, methods: list[Method], profile: dict | None,
         elif m.kind == "ours":
             policies[m.name] = DraftPolicy(PolicyConfig(name=m.policy, k=m.k, gamma=m.gamma))
             if m.policy == "learned" and profile is not None:
-                policies[m.name].load(Path(profile["path"]) / HEAD)
+                load_head(policies[m.name], Path(profile["path"]))
     return policies
 
 
@@ -333,22 +357,8 @@ def load_pair(cfg: BenchConfig):
     return pair, used
 
 
-def check_config(cfg: BenchConfig) -> None:
-    if not cfg.tasks:
-        raise OmniDraftError("no task to run")
-    if not cfg.ks or min(cfg.ks) < 1:
-        raise OmniDraftError("--k needs draft lengths of at least 1, e.g. --k 3,4,5")
-    if bad := [t for t in cfg.translations if t not in ("text", "tokens")]:
-        raise OmniDraftError(f"unknown --translation '{bad[0]}': use text, tokens or text,tokens")
-    if bad := [p for p in cfg.policies if p not in BENCH_POLICIES]:
-        raise OmniDraftError(f"unknown --policy '{bad[0]}': use {', '.join(BENCH_POLICIES)}")
-    if cfg.prompts < 1 or cfg.max_tokens < 1:
-        raise OmniDraftError("--prompts and --max-tokens must be at least 1")
-
-
 def run_bench(cfg: BenchConfig, progress=None) -> dict:
     """Decode every selected prompt with every method; the records and the environment."""
-    check_config(cfg)
     prompts = select_prompts(cfg)
     pair, profile = load_pair(cfg)
     methods = methods_for(cfg, pair.vmap.same_vocab)

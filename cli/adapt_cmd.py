@@ -1,6 +1,11 @@
-"""`omnidraft adapt`: the drafter learns from a local corpus (or a benchmark's adaptation split)."""
+"""`omnidraft adapt`: the drafter learns from a local corpus (or a benchmark's adaptation split).
+
+Under `mlx.launch` (batch mode) the ranks share the prompts; rank 0 alone
+evaluates, shows progress and writes the profile."""
 
 from __future__ import annotations
+
+import time
 
 from pathlib import Path
 from typing import Optional
@@ -60,36 +65,44 @@ def adapt(
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
     from omnidraft_mlx.distill import DistillConfig
+    from omnidraft_mlx.distributed import share_folder, world
     from omnidraft_mlx.loading import load_model
+    from omnidraft_mlx.profile import profile_dir
     from omnidraft_mlx.speculative import SpecConfig
 
     if mode not in (None, "stream", "batch", "text"):
         raise OmniDraftError(f"unknown --mode '{mode}': use stream, batch or text")
     check_policy(policy)
-    if min(interval, batch, steps, max_len, k, max_tokens) < 1 or n_eval < 0 or rank < 0:
-        raise OmniDraftError("--interval, --batch, --steps, --max-len, --k and --max-tokens must be at least 1")
+    if min(interval, k, max_tokens) < 1 or n_eval < 0:
+        raise OmniDraftError("--interval, --k and --max-tokens must be at least 1, --eval at least 0")
+    cfg = DistillConfig(lam=lam, lr=lr, lora_rank=rank, layers=layers, batch=batch, steps=steps, max_len=max_len)
     samples, held, key = _samples(corpus, task, n_eval)
     mode = mode or ("batch" if all(s.messages for s in samples) else "text")
     if mode != "text" and not all(s.messages for s in samples):
         raise OmniDraftError(f"{mode} mode needs prompts (JSONL or --task): use --mode text for documents")
+    group = world()
+    lead = group.rank() == 0  # the rank that evaluates, reports and writes the profile
+    if group.size() > 1 and mode != "batch":
+        raise OmniDraftError(f"under mlx.launch adapt runs in batch mode (a JSONL corpus or --task), not {mode}")
     warn_if_slow_blas(err_console)
 
     draft_model, draft_tok = load_model(draft)
     target_model, target_tok = load_model(target)
-    cfg = DistillConfig(lam=lam, lr=lr, lora_rank=rank, layers=layers, batch=batch, steps=steps, max_len=max_len)
     # Batch mode trains the acceptance head too, on replays of the replies (adapt.head_labels).
     draft_policy = DraftPolicy(PolicyConfig(name=policy if mode == "stream" else "learned", k=k)) \
         if mode != "text" else None
+    # Every rank starts from rank 0's profile (ranks on other machines get a copy of it).
     learner = open_learner(draft, target, (draft_model, draft_tok, target_model, target_tok), cfg, interval, raw,
-                           note=lambda s: err_console.print(f"[yellow]note:[/] {s}"), policy=draft_policy)
+                           path=share_folder(profile_dir(draft, target), group), policy=draft_policy,
+                           note=lambda s: lead and err_console.print(f"[yellow]note:[/] {s}"))
     pair, profile = learner.pair, learner.profile
     learner.corpus, learner.position = key, profile.position(key)
-    if learner.position >= len(samples):
+    if learner.position >= len(samples) and lead:
         err_console.print(f"[yellow]note:[/] all {len(samples)} items of {key} were learned from already; "
                           "`omnidraft profile reset` starts over")
 
     def run_eval(label: str) -> dict | None:
-        if not held:
+        if not held or not lead:
             return None
         with console.status(f"evaluating on {len(held)} held-out prompts ({label})"):
             return evaluate(pair, held, k, eval_tokens)
@@ -98,9 +111,12 @@ def adapt(
     left = len(samples) - learner.position
     total = min(left, max_prompts) if max_prompts is not None else left
     budget = Budget(minutes, max_prompts)
+    # A live bar on a terminal; in a log file, a plain line per update.
+    live = lead and err_console.is_terminal
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=err_console)
+                        TimeElapsedColumn(), console=err_console, disable=not live)
     status = {"loss": None, "acc": None}
+    started = time.monotonic()
 
     def show(event) -> None:
         if event.update:
@@ -109,7 +125,13 @@ def adapt(
             status["acc"] = event.acceptance
         loss = f"{status['loss']:.3f}" if status["loss"] is not None else "-"
         acc = f"{status['acc']:.2f}" if status["acc"] is not None else "-"
-        progress.update(bar, completed=event.done, description=f"{mode} | update {learner.updates} | loss {loss} | acceptance {acc}")
+        per_minute = event.done / max(1e-9, (time.monotonic() - started) / 60)
+        line = (f"{mode} | update {learner.updates} | {per_minute:.1f} prompts/min | loss {loss} | acceptance {acc}"
+                + (f" | {group.size()} ranks" if group.size() > 1 else ""))
+        progress.update(bar, completed=event.done, description=line)
+        if lead and not live and event.update:
+            err_console.print(f"{event.done}/{total} prompts (position {event.position}/{len(samples)}) | {line}",
+                              soft_wrap=True)
 
     with progress:
         bar = progress.add_task(f"{mode} | update {learner.updates}", total=total)
@@ -120,6 +142,8 @@ def adapt(
         else:
             text(learner, samples, budget, show)
     after = run_eval("after")
+    if not lead:
+        return
 
     console.print(f"profile: {profile.path} (update {learner.updates}, position {learner.position}/{len(samples)} "
                   f"of {key}, n-gram cache {len(pair.ngrams)})")

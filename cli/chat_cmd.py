@@ -88,12 +88,10 @@ def chat(
     from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy, parse_gamma
     from omnidraft_mlx.profile import load_profile
 
-    if max_tokens < 1 or k < 1 or adapt_every < 1:
-        raise OmniDraftError("--max-tokens, --k and --adapt-every must be at least 1")
-    check_policy(policy)
-    stop_gamma = parse_gamma(gamma)
-    if context is not None and context < 64:
-        raise OmniDraftError("--context must be at least 64 tokens")
+    # The settings check themselves (one-line errors), before any model loads.
+    cfg = ChatConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed, context=context,
+                     adapt=adapt, adapt_every=adapt_every)
+    policy_cfg = PolicyConfig(name=check_policy(policy), k=k, max_k=max(k, PolicyConfig.max_k), gamma=parse_gamma(gamma))
     warn_if_slow_blas(err_console)
     with console.status(f"loading {draft} and {target}"):
         draft_model, draft_tok = load_model(draft)
@@ -102,16 +100,10 @@ def chat(
         profile = None if no_profile else load_profile(draft, target, draft_model, trainable=adapt)
         pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile.ngrams if profile else None)
         learner = make_learner(pair, profile, adapt_every) if adapt else None
-    cfg = ChatConfig(k, temp, top_p, max_tokens, seed, context, adapt)
-    draft_policy = DraftPolicy(PolicyConfig(name=policy, k=k, gamma=stop_gamma))
+    draft_policy = DraftPolicy(policy_cfg)
     if profile:
-        draft_policy.load(profile.head_path)
-
-    def save_profile() -> None:
-        profile.save_ngrams()
-        draft_policy.save(profile.head_path)
-
-    on_save = save_profile if profile else None
+        profile.attach_policy(draft_policy)
+    on_save = profile.save if profile else None
     session = ChatSession(pair, cfg, Conversation(system), learner, on_save, draft_policy)
     with console.status("timing the target's plain decoding step (for the speedup estimate)"):
         session.measure_plain_speed()
@@ -147,6 +139,8 @@ def chat(
                     _reply(session, text, colour, console)
             except OmniDraftError as e:
                 err_console.print(f"[bold red]error:[/] {e}")
+            except KeyboardInterrupt:  # a second Ctrl-C, after the one that stopped the reply
+                console.print("\n[dim](interrupted; Ctrl-D or /quit leaves)[/]")
     finally:
         if on_save:
             on_save()
@@ -173,14 +167,15 @@ def _reply(session, text: str, colour: bool, console) -> None:
     sys.stdout.write("\n")
     if note:
         console.print(f"[yellow]({note})[/]")
-    console.print(f"[dim]{stats_line(reply.stats, session.plain_step_s)}[/]")
+    console.print(f"[dim]{stats_line(reply.stats, session.plain_step_s, reply.ttft_s)}[/]")
     if session.update_due:
         with console.status(f"updating the drafter on the last {session.learner.interval} replies "
                             "(Ctrl-C postpones it)"):
+            updates = session.learner.updates
             try:
                 report = session.adapt()
-            except KeyboardInterrupt:
-                report = None
+            except KeyboardInterrupt:  # held while the profile saved: the update may be in
+                report = session.learner.last if session.learner.updates > updates else None
         saved = ", saved to the profile" if session.learner.profile else ""
         console.print(f"[dim](drafter update {report.update}: loss {report.loss:.3f}, {report.seconds:.1f}s{saved})[/]"
                       if report else "[dim](drafter update postponed to the next reply)[/]")

@@ -70,17 +70,14 @@ def generate(
     from omnidraft_mlx.generate import PlainStats, plain_generate
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.prompts import encode_prompt, user_messages
+    from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
 
     if prompt == "-":
         prompt = sys.stdin.read()
-    if translation not in ("text", "tokens"):
-        raise OmniDraftError(f"unknown --translation '{translation}': use text or tokens")
-    if sampling not in ("exact", "omnidraft"):
-        raise OmniDraftError(f"unknown --sampling '{sampling}': use exact or omnidraft")
-    if max_tokens < 1:
-        raise OmniDraftError("--max-tokens must be at least 1")
-    check_policy(policy)
-    stop_gamma = parse_gamma(gamma)
+    # The settings check themselves (one-line errors), before any model loads; plain decoding too.
+    cfg = SpecConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed,
+                     translation=translation, sampling=sampling)
+    policy_cfg = PolicyConfig(name=check_policy(policy), k=k, max_k=max_k, gamma=parse_gamma(gamma))
     if not quiet:
         warn_if_slow_blas(err_console)
     messages = user_messages(prompt, system)
@@ -97,7 +94,6 @@ def generate(
     if speculate:
         from omnidraft_mlx.pair import make_pair
         from omnidraft_mlx.profile import load_profile
-        from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
 
         draft_model, draft_tok = load_model(draft)
         draft_ids = encode_prompt(draft_tok, messages, raw)
@@ -107,22 +103,18 @@ def generate(
     if speculate:
         profile = None if no_profile else load_profile(draft, target, draft_model)
         pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile and profile.ngrams)
-        cfg = SpecConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed,
-                         translation=translation, sampling=sampling)
         stats = SpecStats()
         printer = Printer(pair.vmap.target_bytes, console, show_draft, quiet)
-        draft_policy = DraftPolicy(PolicyConfig(name=policy, k=k, max_k=max_k, gamma=stop_gamma))
-        head_path = profile.head_path if profile is not None else None
-        if head_path is not None:
-            draft_policy.load(head_path)
+        draft_policy = DraftPolicy(policy_cfg)
+        if profile is not None:
+            profile.attach_policy(draft_policy)
         try:
             for new, drafted in speculative_generate(pair, draft_ids, target_ids, cfg, stats, draft_policy):
                 printer.add(new, drafted)
         finally:
             printer.finish()
             if profile is not None:
-                profile.save_ngrams()
-                draft_policy.save(head_path)
+                profile.save()
         if not quiet:
             err_console.print(
                 f"[dim]{stats.emitted} tokens, {stats.tokens_per_s:.2f} tok/s | acceptance "

@@ -1,9 +1,10 @@
 """A multi-turn chat that speculates: conversation state, context trimming,
 streaming text, per-reply statistics and learning from the replies.
 
-Each turn re-encodes the whole conversation in each model's own chat template
-and runs one speculative generation over it (both models prefill again; KV
-caches are not kept across turns). The terminal UI lives in cli/chat_cmd.py.
+Each turn encodes the whole conversation in each model's own chat template
+and runs one speculative generation over it; both models' KV caches are kept
+across turns (promptcache.PromptCache), so a turn prefills only what is new
+since the last reply. The terminal UI lives in cli/chat_cmd.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from omnidraft_mlx.atomic import atomic_write_text
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair, context_length
 from omnidraft_mlx.policy import DraftPolicy
+from omnidraft_mlx.promptcache import CacheUse, PromptCache
 from omnidraft_mlx.prompts import encode_prompt
+from omnidraft_mlx.settings import check_range
 from omnidraft_mlx.textstream import TextStream
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
 
@@ -46,6 +49,16 @@ class ChatConfig:
     seed: int = 0
     context: int | None = None  # cap on prompt + reply tokens; default the models' limit
     adapt: bool = True  # drafter updates from the replies (when a learner is attached)
+    adapt_every: int = 4  # replies gathered per drafter update
+
+    def __post_init__(self):
+        check_range("--k", self.k, 1)
+        check_range("--temp", self.temp, 0.0)
+        check_range("--top-p", self.top_p, 0.0, 1.0, open_low=True)
+        check_range("--max-tokens", self.max_tokens, 1)
+        check_range("--adapt-every", self.adapt_every, 1)
+        if self.context is not None:
+            check_range("--context", self.context, 64)
 
 
 @dataclass
@@ -112,7 +125,7 @@ def plain_step_seconds(model, prompt_ids: list[int], steps: int = 4) -> float:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from omnidraft_mlx.speculative import prefill
+    from omnidraft_mlx.kvcache import prefill
 
     cache = make_prompt_cache(model)
     prefill(model, cache, prompt_ids)
@@ -135,13 +148,14 @@ def speedup(stats: SpecStats, plain_step_s: float | None) -> float | None:
     return stats.tokens_per_s * plain_step_s if plain_step_s and stats.generate_s else None
 
 
-def stats_line(stats: SpecStats, plain_step_s: float | None) -> str:
+def stats_line(stats: SpecStats, plain_step_s: float | None, ttft_s: float | None = None) -> str:
     line = (f"{stats.emitted} tokens, {stats.tokens_per_s:.1f} tok/s | acceptance {stats.acceptance:.2f}"
             f" | {stats.tokens_per_forward:.2f} tokens/target forward")
     est = speedup(stats, plain_step_s)
     if est is not None:
         line += f" | ~{est:.2f}x plain target ({1 / plain_step_s:.1f} tok/s)"
-    return line + f" | prefill {stats.prefill_s:.1f}s"
+    line += f" | prefill {stats.prefill_s:.1f}s"
+    return line + (f" | first token {ttft_s:.2f}s" if ttft_s is not None else "")
 
 
 @dataclass
@@ -155,6 +169,8 @@ class Reply:
     stats: SpecStats = field(default_factory=SpecStats)
     ids: list[int] = field(default_factory=list)  # target ids generated so far
     text: str = ""
+    ttft_s: float | None = None  # time to the first token: cache lookup, prefill, first round
+    cached: CacheUse = field(default_factory=CacheUse)  # prompt tokens not prefilled again
 
 
 def make_learner(pair: Pair, profile, interval: int):
@@ -175,8 +191,10 @@ class ChatSession:
     """A conversation with a drafter/target pair; learns from every reply."""
 
     def __init__(self, pair: Pair, cfg: ChatConfig, conversation: Conversation | None = None,
-                 learner=None, on_save=None, policy: DraftPolicy | None = None):
+                 learner=None, on_save=None, policy: DraftPolicy | None = None,
+                 prompt_cache: PromptCache | None = None):
         self.pair, self.cfg = pair, cfg
+        self.prompt_cache = prompt_cache or PromptCache()  # both models' caches, kept across turns
         self.policy = policy  # draft length (default: fixed k); a learned one keeps learning across replies
         self.conv = conversation or Conversation()
         self.learner = learner  # optional: an adapt.OnlineLearner (make_learner)
@@ -226,9 +244,12 @@ class ChatSession:
         cfg = SpecConfig(k=self.cfg.k, temp=self.cfg.temp, top_p=self.cfg.top_p,
                          max_tokens=reply.max_tokens, seed=self.cfg.seed + self.replies)
         out = TextStream(self.pair.vmap.target_bytes)
+        start = time.perf_counter()
         try:
             for new, drafted in speculative_generate(self.pair, reply.draft_ids, reply.target_ids, cfg, reply.stats,
-                                                     self.policy):
+                                                     self.policy):  # PENDING: self.prompt_cache.generate
+                if reply.ttft_s is None:
+                    reply.ttft_s = time.perf_counter() - start
                 for t, d in zip(new, drafted):
                     reply.ids.append(t)
                     piece = out.add(t)
@@ -272,6 +293,8 @@ class ChatSession:
             self.cfg.adapt = False
             raise OmniDraftError(f"the drafter update failed ({type(e).__name__}: {e}); drafter learning "
                                  "is paused (/adapt on tries again)") from e
+        finally:
+            self.prompt_cache.drafter_changed()  # new drafter weights: its cached prefixes are stale
 
     def reset(self) -> None:
         self.conv = Conversation(self.conv.system)

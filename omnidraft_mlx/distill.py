@@ -26,8 +26,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from omnidraft_mlx.align import align, draft_encode, spelled_bytes
+from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
-from omnidraft_mlx.speculative import output_head
+from omnidraft_mlx.settings import check_range
+from omnidraft_mlx.drafter import output_head
 
 
 @dataclass
@@ -41,6 +43,16 @@ class DistillConfig:
     batch: int = 8  # sequences per gradient step
     steps: int = 1  # gradient steps per batch (one target forward serves them all)
     max_len: int = 512  # tokens per sequence (longer ones are cut)
+
+    def __post_init__(self):
+        check_range("--lambda", self.lam, 0.0)
+        check_range("--lr", self.lr, 0.0, open_low=True)
+        check_range("weight_decay", self.weight_decay, 0.0)
+        check_range("--rank", self.lora_rank, 0)
+        if self.layers == 0 or self.layers < -1:
+            raise OmniDraftError(f"--layers must be -1 (all) or at least 1 (got {self.layers})")
+        for flag, value in (("--batch", self.batch), ("--steps", self.steps), ("--max-len", self.max_len)):
+            check_range(flag, value, 1)
 
     @classmethod
     def from_dict(cls, d: dict) -> "DistillConfig":

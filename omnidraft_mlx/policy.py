@@ -59,21 +59,20 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from omnidraft_mlx.atomic import atomic_write_bytes
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.learned import deferred_interrupt
+from omnidraft_mlx.settings import check_choice, check_range
 
 POLICIES = ("fixed", "confidence", "heuristic", "learned")
 
 
 def parse_gamma(text: str) -> float | None:
-    """A --gamma value: a probability, or "auto" (None: set from measured costs)."""
+    """A --gamma value: a number, or "auto" (None: set from measured costs)."""
     if text.strip() == "auto":
         return None
     try:
-        value = float(text)
+        return float(text)  # its range is checked where it is used (PolicyConfig, BenchConfig)
     except ValueError:
-        value = None
-    if value is None or not 0.0 <= value <= 1.0:
-        raise OmniDraftError(f"--gamma takes a probability between 0 and 1 or 'auto' (got '{text}')")
-    return value
+        raise OmniDraftError(f"--gamma takes a probability between 0 and 1 or 'auto' (got '{text}')") from None
 
 
 def check_policy(name: str) -> str:
@@ -97,6 +96,15 @@ class PolicyConfig:
     buffer: int = 8192  # bounded replay buffer of (features, label)
     hidden: bool = False  # add the drafter's hidden state to the head's features
     recent_decay: float = 0.9  # weight of the past in the reply's recent acceptance, per label
+
+    def __post_init__(self):
+        check_choice("--policy", self.name, (*POLICIES, "oracle"))  # the oracle: bench only
+        check_range("--k", self.k, 1)
+        if self.name != "fixed":  # the cap of the adaptive policies
+            check_range("--max-k", self.max_k, self.k)
+        if self.gamma is not None:
+            check_range("--gamma", self.gamma, 0.0, 1.0)
+        check_range("the confidence threshold p_min", self.p_min, 0.0, 1.0, open_low=True, open_high=True)
 
 
 FEATURES = ("log_q", "entropy", "depth", "recent_acceptance")  # after the hidden state, if any
@@ -174,6 +182,8 @@ class DraftPolicy:
         self.features: list[np.ndarray] = []
         self.labels: list[float] = []
         self.rounds = 0
+        self.unsaved = 0  # labels added since loaded or saved (the newest in the buffer)
+        self.synced_rounds = 0  # rounds when loaded or saved
         self._survival = 1.0  # prod of P(accept) over this round's tokens
         self.recent = 1.0  # the reply's recent acceptance (a head feature)
         # Decaying sums over rounds: drafting s, drafter forwards, round s, tokens emitted; and for the
@@ -259,11 +269,13 @@ class DraftPolicy:
         then take `steps` training steps on it."""
         if not len(labels):  # e.g. a reply cut off by max_len: nothing drafted
             return
-        if self.head is None:
-            self.head = AcceptanceHead(features.shape[1])
-        self.features += list(features)
-        self.labels += [float(x) for x in labels]
-        del self.features[: -self.cfg.buffer], self.labels[: -self.cfg.buffer]
+        with deferred_interrupt():  # features and labels stay paired
+            if self.head is None:
+                self.head = AcceptanceHead(features.shape[1])
+            self.features += list(features)
+            self.labels += [float(x) for x in labels]
+            del self.features[: -self.cfg.buffer], self.labels[: -self.cfg.buffer]
+            self.unsaved += len(labels)
         if steps:
             self.train(steps)
 
@@ -296,6 +308,27 @@ class DraftPolicy:
         buf = io.BytesIO()
         np.savez(buf, **arrays)
         atomic_write_bytes(path, buf.getvalue())
+        self.unsaved, self.synced_rounds = 0, self.rounds
+
+    def merge(self, other: "DraftPolicy") -> None:
+        """Become `other` (this head as another process saved it) plus the labels this
+        one gathered since it was loaded or saved; its own head weights are kept when
+        it learned since, other's taken otherwise (weights cannot be merged)."""
+        with deferred_interrupt():
+            new = min(self.unsaved, len(self.labels))
+            if other.head is not None and (self.head is None or not new):
+                self.head, self.opt = other.head, optim.AdamW(learning_rate=1e-3, weight_decay=0.01)
+            self.features = (other.features + self.features[len(self.features) - new :])[-self.cfg.buffer :]
+            self.labels = (other.labels + self.labels[len(self.labels) - new :])[-self.cfg.buffer :]
+            self.rounds += other.rounds - self.synced_rounds
+            self.synced_rounds = other.rounds
+
+    @classmethod
+    def read(cls, cfg: PolicyConfig, path: str | Path) -> "DraftPolicy":
+        """A policy with the head saved at path."""
+        policy = cls(cfg)
+        policy.load(path)
+        return policy
 
     def load(self, path: str | Path) -> None:
         """Continue from a saved head (a missing file, or a head on other features,
@@ -308,7 +341,8 @@ class DraftPolicy:
                 return  # learned on other features: start afresh
             self.features = list(data["features"].astype(np.float32))
             self.labels = data["labels"].tolist()
-            self.rounds = int(data["rounds"])
+            self.rounds = self.synced_rounds = int(data["rounds"])
+            self.unsaved = 0
             weights = [(k[5:], mx.array(data[k])) for k in data.files if k.startswith("head.")]
         self.head = AcceptanceHead(self.features[0].shape[0])
         self.head.update(tree_unflatten(weights))
