@@ -27,9 +27,10 @@ def _register() -> None:
     app.command("doctor")(doctor_cmd.doctor)
     app.command("bench")(bench_cmd.bench)
     app.command("chat")(chat_cmd.chat)
-    from omnidraft_mlx.cli import adapt_cmd, profile_cmd
+    from omnidraft_mlx.cli import adapt_cmd, profile_cmd, serve_cmd
 
     app.command("adapt")(adapt_cmd.adapt)
+    app.command("serve")(serve_cmd.serve)
     app.add_typer(profile_cmd.app, name="profile", help="Show, reset or export what a drafter/target pair learned.")
 
 

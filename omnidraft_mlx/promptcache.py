@@ -1,0 +1,108 @@
+"""Prompt caching for a drafter/target pair: both models' KV caches kept between replies.
+
+After a reply each model's cache holds its prompt and the reply. The next
+prompt (the conversation so far plus a new message, or a tool resending the
+same long system prompt) shares a long token prefix with something cached: the
+cache of the nearest stored sequence goes to the decode loop in a KVSlot, the
+loop trims it to the common prefix and prefills only the rest, and the slots it
+returns (prompt + reply) are stored back. The target's output is the same as
+after a fresh prefill (greedy: token for token).
+
+mlx-lm's LRUPromptCache keeps the sequences: a trie of token ids per key,
+least recently stored evicted first, bounded in bytes, so different
+conversations do not evict each other at once. Each model has its own key (the
+two tokenize the same text differently). A drafter update changes the drafter's
+weights and so every cache it made: its key carries the update count, and the
+older caches, never fetched again, age out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from mlx_lm.models.cache import LRUPromptCache
+
+from omnidraft_mlx.kvcache import KVSlot
+from omnidraft_mlx.pair import Pair
+from omnidraft_mlx.policy import DraftPolicy
+from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+
+DEFAULT_CACHE_BYTES = 2 << 30
+MAX_SEQUENCES = 64  # per cache, both models together; the byte budget usually binds first
+
+
+@dataclass
+class CacheUse:
+    """Prompt tokens whose keys and values came from the cache, in each model's tokens."""
+
+    draft_tokens: int = 0
+    target_tokens: int = 0
+
+
+@dataclass
+class PromptCache:
+    max_bytes: int = DEFAULT_CACHE_BYTES
+    drafter_version: int = 0  # bumped by drafter_changed(): caches of older weights are never reused
+    lru: LRUPromptCache = field(init=False)
+
+    def __post_init__(self):
+        self.lru = LRUPromptCache(max_size=MAX_SEQUENCES, max_bytes=self.max_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.lru.nbytes
+
+    def _draft_key(self) -> str:
+        return f"draft@{self.drafter_version}"
+
+    def drafter_changed(self) -> None:
+        self.drafter_version += 1
+
+    def _slot(self, model, key: str, ids: list[int]) -> KVSlot:
+        cache, rest = self.lru.fetch_nearest_cache(key, ids)
+        if cache is None:
+            return KVSlot.fresh(model)
+        return KVSlot(cache, list(ids[: len(ids) - len(rest)]))  # a copy: the stored one stays intact
+
+    def slots(self, pair: Pair, draft_ids: list[int], target_ids: list[int]) -> tuple[KVSlot, KVSlot]:
+        """(draft slot, target slot) holding the cached sequences nearest to these prompts."""
+        return self._slot(pair.draft, self._draft_key(), draft_ids), self._slot(pair.target, "target", target_ids)
+
+    def store(self, draft_slot: KVSlot, target_slot: KVSlot) -> None:
+        """Keep both slots (the cache takes them over: do not use them afterwards)."""
+        for key, slot in ((self._draft_key(), draft_slot), ("target", target_slot)):
+            if slot.tokens:
+                self.lru.insert_cache(key, list(slot.tokens), slot.cache)
+
+    def generate(self, pair: Pair, draft_ids: list[int], target_ids: list[int], cfg: SpecConfig,
+                 stats: SpecStats, policy: DraftPolicy | None = None, use: CacheUse | None = None,
+                 **options) -> Iterator[tuple[list[int], list[bool]]]:
+        """speculative_generate (with further `options` of its own) on slots from the cache;
+        how many prompt tokens it reused goes into `use`.
+
+        The slots are stored back when the loop ended or was closed between rounds
+        (a consumer that stops early); an exception inside a round may leave a
+        cache out of step with its tokens, so those slots are dropped."""
+        draft_slot, target_slot = self.slots(pair, draft_ids, target_ids)
+        if use is not None:
+            # The loop always feeds each model its prompt's last token afresh.
+            use.draft_tokens = min(draft_slot.common_prefix(draft_ids), len(draft_ids) - 1)
+            use.target_tokens = min(target_slot.common_prefix(target_ids), len(target_ids) - 1)
+        rounds = speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy,
+                                      target_slot=target_slot, draft_slot=draft_slot, **options)
+        in_round = False
+        try:
+            while True:
+                in_round = True
+                try:
+                    out = next(rounds)
+                except StopIteration:
+                    in_round = False
+                    break
+                in_round = False
+                yield out
+        finally:
+            rounds.close()
+            if not in_round:
+                self.store(draft_slot, target_slot)
