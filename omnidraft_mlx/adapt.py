@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from omnidraft_mlx.distill import DistillConfig, Distiller, Example, StepStats, make_example
-from omnidraft_mlx.distributed import all_sum, gather_rows, shard, world
+from omnidraft_mlx.distributed import all_sum, gather_rows, shard, share_weights, world
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.policy import DraftPolicy, replay_depths, replay_recent
@@ -114,7 +114,7 @@ def task_corpus(task: str, split: str = "adapt") -> list[Sample]:
     """A benchmark split as conversations: each prompt, with the dataset's reference
     answer as the reply where it has one (stream mode answers the prompt itself;
     text mode learns from the reference)."""
-    from omnidraft_mlx.bench.tasks import load_task
+    from omnidraft_mlx.tasks import load_task
 
     return [Sample(messages=user_messages(p.text) + ([{"role": "assistant", "content": p.reference}]
                                                       if p.reference else []))
@@ -171,6 +171,7 @@ class OnlineLearner:
         if policy is not None and profile is not None:
             profile.attach_policy(policy)  # saved with every update
         self.group = world()
+        share_weights(pair.draft, self.group)  # every rank trains the same drafter
         self.distiller = Distiller(pair, cfg, self.group)
         if profile is not None:
             profile.load_optimizer(self.distiller.opt)

@@ -11,6 +11,8 @@ Collectives run on the CPU stream (the ring backend has no GPU kernels).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 import mlx.core as mx
@@ -62,3 +64,50 @@ def gather_rows(rows: dict[int, np.ndarray], group: mx.distributed.Group) -> dic
     if group.size() == 1:
         return dict(rows)
     return {int(k): v for part in gather_arrays({str(i): a for i, a in rows.items()}, group) for k, v in part.items()}
+
+
+def broadcast_bytes(data: bytes, group: mx.distributed.Group) -> bytes:
+    """Rank 0's bytes on every rank (a sum where the other ranks add zeros)."""
+    if group.size() == 1:
+        return data
+    mine = data if group.rank() == 0 else b""
+    size = int(all_sum(mx.array(len(mine)), group).item())
+    buf = np.zeros(max(size, 1), np.uint8)
+    buf[: len(mine)] = np.frombuffer(mine, np.uint8)
+    return np.array(all_sum(mx.array(buf), group))[:size].tobytes()
+
+
+def share_folder(path: Path, group: mx.distributed.Group) -> Path:
+    """Rank 0's `path` (its plain files) on every rank: the other ranks get a copy in a
+    temporary folder, so ranks on other machines start from rank 0's profile."""
+    import atexit
+    import io
+    import shutil
+    import tempfile
+
+    if group.size() == 1:
+        return path
+    buf = io.BytesIO()
+    if group.rank() == 0:
+        files = [f for f in path.iterdir() if f.is_file() and not f.name.startswith(".")] if path.is_dir() else []
+        np.savez(buf, **{f.name: np.frombuffer(f.read_bytes(), np.uint8) for f in files})
+    data = broadcast_bytes(buf.getvalue(), group)
+    if group.rank() == 0:
+        return path
+    copy = Path(tempfile.mkdtemp(prefix=f"omnidraft-rank{group.rank()}-"))
+    atexit.register(shutil.rmtree, copy, True)
+    with np.load(io.BytesIO(data)) as arrays:
+        for name in arrays.files:
+            (copy / name).write_bytes(arrays[name].tobytes())
+    return copy
+
+
+def share_weights(model, group: mx.distributed.Group) -> None:
+    """Rank 0's trainable weights on every rank (a new adapter starts random in each process)."""
+    from mlx.utils import tree_map
+
+    if group.size() == 1:
+        return
+    lead = group.rank() == 0
+    model.update(tree_map(lambda p: all_sum(p if lead else mx.zeros_like(p), group), model.trainable_parameters()))
+    mx.eval(model.trainable_parameters())
