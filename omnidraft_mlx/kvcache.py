@@ -10,28 +10,60 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from omnidraft_mlx.errors import OmniDraftError
 
 PREFILL_CHUNK = 512
 
 
+class WindowedKVCache(KVCache):
+    """A sliding-window layer's cache that keeps every position.
+
+    mlx-lm's RotatingKVCache overwrites positions older than the window, so once
+    a reply passes the window it cannot remove rejected draft tokens. This one
+    keeps them all (any trim is exact) and its mask limits attention to the
+    window, so the layer sees the same keys a rotating cache would hold."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.window = window
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        window = window_size or self.window
+        if self.offset + N <= window and not return_array:
+            return "causal" if N > 1 else None  # the whole history fits in the window
+        return create_causal_mask(N, self.offset, window_size=window)
+
+
+def _rollbackable(c):
+    # keep > 0 (attention sinks) has no windowed equivalent: left as is, its trims fail loudly.
+    return WindowedKVCache(c.max_size) if type(c) is RotatingKVCache and not c.keep else c
+
+
 def make_cache(model) -> list:
-    """A fresh per-layer cache for `model` that rolls back."""
-    return make_prompt_cache(model)
+    """A fresh per-layer cache for `model` that rolls back: the model's own,
+    with sliding-window layers kept whole (WindowedKVCache)."""
+    return [_rollbackable(c) for c in make_prompt_cache(model)]
 
 
 def trim_cache(cache: list, n: int) -> None:
     """Remove the last n positions from every layer, or fail loudly."""
     if n <= 0:
         return
-    trimmed = trim_prompt_cache(cache, n)
-    if trimmed != n:
+    stuck = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
+    if stuck:
         raise OmniDraftError(
-            f"a KV cache could not roll back {n} positions (trimmed {trimmed}): this model's cache "
-            "cannot be trimmed; use plain decoding (--model) for it"
+            f"this model's {'/'.join(stuck)} layers cannot roll back rejected draft tokens "
+            "(recurrent or rotated state): use plain decoding (--model) for it"
         )
+    for c in cache:
+        trimmed = c.trim(n)
+        if trimmed != n:
+            raise OmniDraftError(
+                f"a KV cache could not roll back {n} positions (trimmed {trimmed})"
+            )
 
 
 def prefill(model, cache: list, ids: list[int]) -> mx.array | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models import llama
+from mlx_lm.models import gemma3_text, llama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # What both tiny models learn: short, regular Python, so they agree often.
@@ -57,9 +57,10 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 
 def write_model(
     out: Path, tok: Tokenizer, hidden: int, layers: int, seed: int,
-    logit_scale: float = 1.0, train_text: str = "", train_steps: int = 0,
+    logit_scale: float = 1.0, train_text: str = "", train_steps: int = 0, window: int = 0,
 ) -> Path:
-    """A tiny llama with random weights, as an mlx-lm model directory."""
+    """A tiny llama with random weights, as an mlx-lm model directory; with
+    window > 0 a tiny Gemma 3 instead (sliding-window layers, every third global)."""
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
@@ -84,9 +85,14 @@ def write_model(
         "tie_word_embeddings": False,
         "eos_token_id": tok.token_to_id("<|im_end|>"),
     }
+    arch = llama
+    if window:
+        arch = gemma3_text
+        config.update(model_type="gemma3_text", head_dim=hidden // 4, query_pre_attn_scalar=hidden // 4,
+                      sliding_window=window, sliding_window_pattern=3)
     (out / "config.json").write_text(json.dumps(config))
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model = arch.Model(arch.ModelArgs.from_dict(config))
     # A sharper output layer than the default init: peaked next-token
     # distributions, like a trained model's, so sampled sequences repeat.
     model.lm_head.weight = model.lm_head.weight * logit_scale
@@ -137,3 +143,14 @@ def build_random_pair(root: Path) -> tuple[Path, Path]:
     draft = write_model(root / "rand-draft", train_tokenizer(corpus("draft"), 420), 48, 2, seed=3, logit_scale=30.0)
     target = write_model(root / "rand-target", train_tokenizer(corpus("target"), 600), 64, 2, seed=4, logit_scale=30.0)
     return draft, target
+
+
+def build_windowed_models(root: Path, window: int, steps: int = 300) -> dict[str, Path]:
+    """Tiny Gemma 3 models with a small sliding window, trained like build_tiny_models':
+    "target" (the tiny target's tokenizer) and "draft" (the tiny drafter's)."""
+    return {
+        "target": write_model(root / "gemma-target", train_tokenizer(corpus("target"), 600), 64, 3, seed=5,
+                              train_text=TEXT, train_steps=steps, window=window),
+        "draft": write_model(root / "gemma-draft", train_tokenizer(corpus("draft"), 420), 48, 3, seed=6,
+                             train_text=TEXT, train_steps=steps, window=window),
+    }
