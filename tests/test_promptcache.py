@@ -1,0 +1,102 @@
+"""Prompt-cache reuse across replies on the tiny cross-vocabulary pair: lossless, and it does reuse."""
+
+import os
+
+from omnidraft_mlx.generate import PlainStats, plain_generate
+from omnidraft_mlx.promptcache import CacheUse, PromptCache
+from omnidraft_mlx.prompts import encode_prompt
+from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+
+CFG = SpecConfig(k=3, max_tokens=24)
+TURNS = ["def add_3(x):", "print(add_", "def add_7(x):\n    return", "print(add_7(21))  # three"]
+
+
+def encode(pair, messages):
+    return encode_prompt(pair.draft_tok, messages), encode_prompt(pair.target_tok, messages)
+
+
+def cached_reply(cache, pair, messages, use=None) -> list[int]:
+    d, t = encode(pair, messages)
+    return [i for new, _ in cache.generate(pair, d, t, CFG, SpecStats(), use=use) for i in new]
+
+
+def fresh_reply(pair, messages) -> list[int]:
+    d, t = encode(pair, messages)
+    return [i for new, _ in speculative_generate(pair, d, t, CFG, SpecStats()) for i in new]
+
+
+def greedy(pair, messages) -> list[int]:
+    return list(plain_generate(pair.target, pair.target_tok, encode(pair, messages)[1], PlainStats(),
+                               max_tokens=CFG.max_tokens))
+
+
+def test_multi_turn_reuse_equals_fresh_prefill(cross):
+    cache, messages, before = PromptCache(), [], None
+    for turn, text in enumerate(TURNS):
+        messages.append({"role": "user", "content": text})
+        use = CacheUse()
+        reply = cached_reply(cache, cross, messages, use)
+        assert reply == fresh_reply(cross, messages) == greedy(cross, messages)
+        if turn:
+            # The whole previous prompt came from the cache, in each model's own tokens (and
+            # of the reply whatever the template re-encodes the same way).
+            assert use.target_tokens >= len(before[1]) and use.draft_tokens >= len(before[0])
+        else:
+            assert use == CacheUse(0, 0)
+        before = encode(cross, messages)
+        messages.append({"role": "assistant", "content": cross.target_tok.decode(reply)})
+    assert 0 < cache.nbytes <= cache.max_bytes
+
+
+def test_same_prompt_again_reuses_all_but_the_last_token(cross):
+    cache, messages = PromptCache(), [{"role": "user", "content": TURNS[0]}]
+    first = cached_reply(cache, cross, messages)
+    use = CacheUse()
+    assert cached_reply(cache, cross, messages, use) == first
+    d, t = encode(cross, messages)
+    assert use == CacheUse(len(d) - 1, len(t) - 1)
+
+
+def test_a_reply_stopped_early_leaves_a_cache_that_stays_lossless(cross):
+    cache, messages = PromptCache(), [{"role": "user", "content": TURNS[2]}]
+    d, t = encode(cross, messages)
+    rounds = cache.generate(cross, d, t, CFG, SpecStats())
+    partial = next(rounds)[0]
+    rounds.close()  # the consumer stops between rounds (a client that went away)
+    use = CacheUse()
+    again = cached_reply(cache, cross, messages, use)
+    assert again[: len(partial)] == partial and again == greedy(cross, messages)
+    assert use.target_tokens == len(t) - 1
+
+
+def test_conversations_do_not_evict_each_other_and_the_budget_holds(cross):
+    a = [{"role": "user", "content": TURNS[0]}]
+    b = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": TURNS[1]}]
+    cache = PromptCache()
+    cached_reply(cache, cross, a)
+    cached_reply(cache, cross, b)
+    for messages in (a, b):
+        use = CacheUse()
+        cached_reply(cache, cross, messages, use)
+        assert use.target_tokens == len(encode(cross, messages)[1]) - 1
+
+    # A budget that holds one conversation's caches: the older one is evicted first.
+    one = cache.nbytes // 2
+    small = PromptCache(max_bytes=one)
+    cached_reply(small, cross, a)
+    cached_reply(small, cross, b)
+    assert small.nbytes <= one
+    use_a, use_b = CacheUse(), CacheUse()
+    cached_reply(small, cross, b, use_b)
+    cached_reply(small, cross, a, use_a)
+    shared = len(os.path.commonprefix([encode(cross, a)[1], encode(cross, b)[1]]))  # the template's start
+    assert use_b.target_tokens == len(encode(cross, b)[1]) - 1 and use_a.target_tokens == shared
+
+
+def test_a_drafter_update_retires_only_the_drafter_caches(cross):
+    cache, messages = PromptCache(), [{"role": "user", "content": TURNS[0]}]
+    cached_reply(cache, cross, messages)
+    cache.drafter_changed()
+    use = CacheUse()
+    assert cached_reply(cache, cross, messages, use) == greedy(cross, messages)
+    assert use.draft_tokens == 0 and use.target_tokens > 0
