@@ -22,8 +22,9 @@ from dataclasses import replace
 from itertools import chain, zip_longest
 from pathlib import Path
 
+from omnidraft_mlx.bench.report import record_speedup
 from omnidraft_mlx.bench.run import Method, environment_base, rotated, run_one
-from omnidraft_mlx.bench.tasks import load_task
+from omnidraft_mlx.tasks import load_task
 
 DRAFT, TARGET = "smollm2-135m", "qwen2.5-coder-0.5b"
 TASKS = ("math", "code")
@@ -160,7 +161,7 @@ def kl_only_drafter(args, pair) -> tuple:
 
 def _warm(pair) -> None:
     from omnidraft_mlx.bench.run import WARMUP_PROMPT, WARMUP_TOKENS
-    from omnidraft_mlx.bench.tasks import Prompt
+    from omnidraft_mlx.tasks import Prompt
 
     for m in (Method("plain", "plain"), Method("w", "ours", 3, "text")):
         run_one(pair, m, Prompt("warmup", "chat", WARMUP_PROMPT), WARMUP_TOKENS)
@@ -178,7 +179,8 @@ def _write(phase: str, records: list, args) -> None:
 
 
 def summarize(records: list) -> dict:
-    """Per method and task (and 'all'): acceptance (pooled), tokens per forward, speedup (mean)."""
+    """Per method and task (and 'all'): acceptance (pooled), tokens per forward, speedup
+    (report.speedup: median per-prompt ratio, min, max)."""
     out = {}
     for task in (*TASKS, "all"):
         rows = [r for r in records if task == "all" or r["task"] == task]
@@ -186,11 +188,12 @@ def summarize(records: list) -> dict:
             mine = [r for r in rows if r["method"] == name]
             plain = {r["prompt_id"]: r for r in rows if r["method"] == "plain"}
             proposed = sum(r["proposed"] or 0 for r in mine)
+            sp = record_speedup(mine, list(plain.values()))
             out.setdefault(name, {})[task] = {
                 "acceptance": sum(r["accepted"] or 0 for r in mine) / proposed if proposed else None,
                 "tokens_per_forward": sum(r["tokens"] for r in mine) / sum(r["rounds"] for r in mine),
                 "tokens_per_s": sum(r["tokens"] for r in mine) / sum(r["generate_s"] for r in mine),
-                "speedup": sum(r["tokens_per_s"] / plain[r["prompt_id"]]["tokens_per_s"] for r in mine) / len(mine),
+                "speedup": sp and sp["median"], "speedup_range": sp and [sp["min"], sp["max"]],
                 "prompts": len(mine),
             }
     return out

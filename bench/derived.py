@@ -7,7 +7,7 @@
    with the derived drafter, interleaved prompt by prompt in a rotating order on
    held-out code and math prompts; greedy, so every output must equal plain.
 
-    flock /tmp/omnidraft-cpu.lock ./run.sh python -m omnidraft_mlx.bench.derived \\
+    ./run.sh python -m omnidraft_mlx.bench.derived \\
         --derived smollm2-135m-6l --out bench/results/derived
 """
 
@@ -23,8 +23,9 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.bench.report import prompt_speedup, record_speedup
 from omnidraft_mlx.bench.run import BenchConfig, Method, environment_base, rotated, run_one, select_prompts
-from omnidraft_mlx.speculative import prefill
+from omnidraft_mlx.kvcache import prefill
 
 CACHED = 200
 
@@ -64,7 +65,7 @@ def measure_costs(full, models: dict, depths: list[int], rounds: int, progress=N
 
 def decode_all(pairs: dict, methods: list[tuple[str, Method]], prompts, max_tokens: int, progress=None) -> list:
     """Every (pair, method) on every prompt, rotating the order prompt by prompt."""
-    from omnidraft_mlx.bench.tasks import Prompt
+    from omnidraft_mlx.tasks import Prompt
 
     warm = Prompt("warmup", "chat", "Say hello.")
     for label, method in methods:  # first calls allocate; keep them out of the numbers
@@ -83,22 +84,24 @@ def decode_all(pairs: dict, methods: list[tuple[str, Method]], prompts, max_toke
         plain = done["plain"]
         for label, _ in methods:
             record = done[label]
-            record["speedup"] = record["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+            record["speedup"] = prompt_speedup(record["tokens_per_s"], plain["tokens_per_s"])
             record["equal_to_plain"] = record["output"] == plain["output"]
             records.append(record)
     return records
 
 
 def summarize(records: list) -> dict:
-    """Per method, per task and over all prompts ("all"): tokens/s, speedup (pooled
-    tokens/s over plain's), acceptance, tokens per target forward."""
+    """Per method, per task and over all prompts ("all"): tokens/s (pooled), speedup
+    (report.speedup: median per-prompt ratio, min, max), acceptance, tokens per target forward."""
     out = {}
     tasks = [*dict.fromkeys(r["task"] for r in records), "all"]
+    plain = [r for r in records if r["method"] == "plain"]
     for label in dict.fromkeys(r["method"] for r in records):
         for task in tasks:
             rs = [r for r in records if r["method"] == label and task in ("all", r["task"])]
             tokens, seconds = sum(r["tokens"] for r in rs), sum(r["generate_s"] for r in rs)
             proposed = sum(r["proposed"] or 0 for r in rs)
+            sp = record_speedup(rs, plain)
             out.setdefault(label, {})[task] = {
                 "prompts": len(rs),
                 "tokens": tokens,
@@ -108,10 +111,9 @@ def summarize(records: list) -> dict:
                 "draft_s": round(sum(r["draft_s"] or 0 for r in rs), 2),
                 "verify_s": round(sum(r["verify_s"] or 0 for r in rs), 2),
                 "all_equal_to_plain": all(r["equal_to_plain"] for r in rs),
+                "speedup": sp and round(sp["median"], 3),
+                "speedup_range": sp and [round(sp["min"], 3), round(sp["max"], 3)],
             }
-    for rows in out.values():
-        for task, row in rows.items():
-            row["speedup"] = round(row["tokens_per_s"] / out["plain"][task]["tokens_per_s"], 3)
     return out
 
 

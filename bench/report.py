@@ -25,8 +25,29 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
+def prompt_speedup(tokens_per_s: float | None, plain_tokens_per_s: float | None) -> float | None:
+    """One prompt's speedup: the method's tokens/s over plain decoding's on the same prompt."""
+    return tokens_per_s / plain_tokens_per_s if tokens_per_s is not None and plain_tokens_per_s else None
+
+
+def speedup(rates) -> dict | None:
+    """The speedup every report gives: the median of per-prompt speedups (prompt_speedup of each
+    (method tokens/s, plain tokens/s) pair in `rates`), with the smallest and largest; None without any."""
+    ratios = [s for tps, plain in rates if (s := prompt_speedup(tps, plain)) is not None]
+    if not ratios:
+        return None
+    return {"median": float(np.median(ratios)), "min": float(min(ratios)), "max": float(max(ratios)),
+            "prompts": len(ratios)}
+
+
+def record_speedup(records: list[dict], plain: list[dict]) -> dict | None:
+    """speedup() of bench records against the plain records of the same prompts (by prompt_id)."""
+    plain_rate = {r["prompt_id"]: r["tokens_per_s"] for r in plain}
+    return speedup((r["tokens_per_s"], plain_rate.get(r["prompt_id"])) for r in records)
+
+
 def summarize(records: list[dict]) -> list[dict]:
-    """One row per (task, method), plus task "all"; speedups are per-prompt ratios."""
+    """One row per (task, method), plus task "all"; speedup as speedup() gives it."""
     tasks = list(dict.fromkeys(r["task"] for r in records)) + [ALL]
     methods = list(dict.fromkeys(r["method"] for r in records))
     rows = []
@@ -35,16 +56,16 @@ def summarize(records: list[dict]) -> list[dict]:
             group = [r for r in records if r["method"] == method and task in (ALL, r["task"])]
             if not group:
                 continue
-            speedups = np.array([r["speedup"] for r in group if r["speedup"] is not None])
+            plain = [r for r in records if r["method"] == "plain" and task in (ALL, r["task"])]
+            sp = record_speedup(group, plain) or {}
+            speedups = [r["speedup"] for r in group if r["speedup"] is not None]
             tokens, gen = _total(group, "tokens"), _total(group, "generate_s")
             rows.append({
                 "task": task, "method": method, "prompts": len(group),
                 "ttft_s": float(np.median([r["ttft_s"] for r in group])),
                 "tokens_per_s": float(np.median([r["tokens_per_s"] for r in group])),
-                "speedup_median": float(np.median(speedups)) if len(speedups) else None,
-                "speedup_min": float(speedups.min()) if len(speedups) else None,
-                "speedup_max": float(speedups.max()) if len(speedups) else None,
-                "speedup_iqr": [float(q) for q in np.percentile(speedups, [25, 75])] if len(speedups) else None,
+                "speedup_median": sp.get("median"), "speedup_min": sp.get("min"), "speedup_max": sp.get("max"),
+                "speedup_iqr": [float(q) for q in np.percentile(speedups, [25, 75])] if speedups else None,
                 # Pooled over the group's tokens, not averaged over prompts.
                 "acceptance": _ratio(_total(group, "accepted"), _total(group, "proposed")),
                 "tokens_per_forward": _ratio(tokens, _total(group, "rounds")),

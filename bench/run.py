@@ -26,26 +26,33 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from omnidraft_mlx.align import spelled_bytes
-from omnidraft_mlx.bench.tasks import TASKS, Prompt, load_task
+from omnidraft_mlx.bench.report import prompt_speedup
+from omnidraft_mlx.bench.usecases import USE_CASES, edit_prompts, file_prompts, multiturn_prompts
+from omnidraft_mlx.tasks import TASKS, Prompt, load_task
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.policy import POLICIES, DraftPolicy, PolicyConfig
 from omnidraft_mlx.profile import load_head
 from omnidraft_mlx.settings import check_choice, check_range
-from omnidraft_mlx.prompts import encode_prompt, user_messages
+from omnidraft_mlx.prompts import encode_prompt
 from omnidraft_mlx.drafter import output_head
 from omnidraft_mlx.kvcache import prefill
+from omnidraft_mlx.drafts import SOURCES
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
 
 WARMUP_PROMPT = "Say hello."
 BENCH_POLICIES = (*POLICIES[1:], "oracle")  # adaptive policies to compare; the oracle is a bound
 WARMUP_TOKENS = 4
+BENCH_TASKS = (*TASKS, *USE_CASES)
+# Method families: the drafter alone, lookups alone (context and history), both fused.
+BENCH_SOURCES = {"drafter": ("drafter",), "lookup": ("context", "history"), "fused": SOURCES}
 
 
 @dataclass
@@ -63,12 +70,20 @@ class BenchConfig:
     time_limit_s: float | None = None  # start no new prompt after this long (whole prompts only)
     policies: list[str] = field(default_factory=list)  # adaptive draft-length policies to add
     gammas: list[float | None] = field(default_factory=lambda: [None])  # the learned policy's thresholds (None: auto)
+    sources: list[str] = field(default_factory=lambda: ["drafter"])  # BENCH_SOURCES: one family of methods each
+    guards: list[bool] = field(default_factory=lambda: [True])  # lookup and fused methods: with the guard, without
+    temp: float = 0.0  # > 0: sampled decoding (plain samples alike; outputs compared by distribution)
+    seed: int = 0
+    prompts_file: str | None = None  # the user's prompts (JSONL), task "file"
 
     def __post_init__(self):
-        if not self.tasks:
-            raise OmniDraftError("no task to run: use --task code, math, chat or all")
+        if not self.tasks and not self.prompts_file:
+            raise OmniDraftError(f"no task to run: use --task {', '.join(BENCH_TASKS)} or all, or --prompts-file")
         for task in self.tasks:
-            check_choice("--task", task, TASKS)
+            check_choice("--task", task, BENCH_TASKS)
+        for source in self.sources:
+            check_choice("--source", source, BENCH_SOURCES)
+        check_range("--temp", self.temp, 0)
         if not self.ks:
             raise OmniDraftError("--k needs draft lengths, e.g. --k 3,4,5")
         for k in self.ks:
@@ -94,19 +109,34 @@ class Method:
     translation: str | None = None
     policy: str = "fixed"
     gamma: float | None = None  # learned policy only; None = auto
+    sources: tuple[str, ...] = ("drafter",)
+    guard: bool = False
 
 
 def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
-    methods = [Method("plain", "plain")]
+    """plain, then per source family: the drafter alone as `ours-*` (never guarded: the
+    baseline), `lookup` and `fused-*` (with and/or without the guard: `-noguard`)."""
+    drafters = []  # (name, k, translation, policy, gamma)
     for k in cfg.ks:
         # A same-vocabulary pair needs no translation: one variant per k.
         for tr in cfg.translations[:1] if same_vocab else cfg.translations:
-            methods.append(Method(f"ours-k{k}" + ("" if tr == "text" else f"-{tr}"), "ours", k, tr))
+            drafters.append((f"k{k}" + ("" if tr == "text" else f"-{tr}"), k, tr, "fixed", None))
     # Adaptive policies start from (and, untrained, behave like) the largest k.
     for p in cfg.policies:
         for g in cfg.gammas if p == "learned" else [None]:
-            name = f"ours-{p}" + (f"-g{'auto' if g is None else f'{g:g}'}" if p == "learned" and len(cfg.gammas) > 1 else "")
-            methods.append(Method(name, "ours", max(cfg.ks), cfg.translations[0], p, g))
+            name = p + (f"-g{'auto' if g is None else f'{g:g}'}" if p == "learned" and len(cfg.gammas) > 1 else "")
+            drafters.append((name, max(cfg.ks), cfg.translations[0], p, g))
+    methods = [Method("plain", "plain")]
+    for family in cfg.sources:
+        sources = BENCH_SOURCES[family]
+        for guard in [False] if family == "drafter" else cfg.guards:
+            tag = "-noguard" if family != "drafter" and not guard else ""
+            if family == "lookup":
+                methods.append(Method(f"lookup{tag}", "ours", max(cfg.ks), cfg.translations[0], sources=sources, guard=guard))
+                continue
+            prefix = "ours" if family == "drafter" else "fused"
+            methods += [Method(f"{prefix}-{name}{tag}", "ours", k, tr, p, g, sources, guard)
+                        for name, k, tr, p, g in drafters if family == "drafter" or p != "oracle"]
     if same_vocab and cfg.mlx_lm:
         methods += [Method(f"mlxlm-k{k}", "mlxlm", k) for k in cfg.ks]
     return methods
@@ -155,15 +185,23 @@ def make_policies(cfg: BenchConfig, methods: list[Method], profile: dict | None,
     return policies
 
 
-def select_prompts(cfg: BenchConfig) -> list[Prompt]:
-    """Held-out prompts, tasks interleaved (code, math, chat, code, ...)."""
+def select_prompts(cfg: BenchConfig, pair) -> list[Prompt]:
+    """Held-out prompts (and the user's), tasks interleaved (code, math, chat, code, ...)."""
     per_task = []
     for task in cfg.tasks:
-        prompts = load_task(task, "heldout")
-        if cfg.shortest:
-            prompts = sorted(prompts, key=lambda p: len(p.text))
-        per_task.append(prompts[: cfg.prompts])
-    return [p for group in zip(*per_task) for p in group]
+        if task == "edit":
+            prompts = edit_prompts(cfg.prompts)
+        elif task == "multiturn":
+            prompts = multiturn_prompts(cfg.prompts, pair, cfg.max_tokens)
+        else:
+            prompts = load_task(task, "heldout")
+            if cfg.shortest:
+                prompts = sorted(prompts, key=lambda p: len(p.text))
+            prompts = prompts[: cfg.prompts]
+        per_task.append(prompts)
+    if cfg.prompts_file:
+        per_task.append(file_prompts(cfg.prompts_file))
+    return [p for group in zip_longest(*per_task) for p in group if p is not None]
 
 
 def rotated(methods: list, i: int) -> list:
@@ -174,9 +212,10 @@ def rotated(methods: list, i: int) -> list:
 # --- one decode per method -------------------------------------------------
 
 
-def _run_plain(pair, target_ids: list[int], max_tokens: int) -> dict:
+def _run_plain(pair, target_ids: list[int], max_tokens: int, temp: float, seed: int) -> dict:
     stats = PlainStats()
-    out = list(plain_generate(pair.target, pair.target_tok, target_ids, stats, max_tokens=max_tokens))
+    out = list(plain_generate(pair.target, pair.target_tok, target_ids, stats, temp=temp, max_tokens=max_tokens,
+                             seed=seed))
     return {
         "output": out, "ttft_s": stats.prefill_s, "generate_s": stats.generate_s,
         "tokens_per_s": stats.tokens_per_s, "rounds": len(out),
@@ -185,11 +224,14 @@ def _run_plain(pair, target_ids: list[int], max_tokens: int) -> dict:
     }
 
 
-def _run_ours(pair, draft_ids, target_ids, method: Method, max_tokens: int, policy: DraftPolicy) -> dict:
+def _run_ours(pair, draft_ids, target_ids, method: Method, run: dict, policy: DraftPolicy) -> dict:
     stats = SpecStats()
-    cfg = SpecConfig(k=method.k, max_tokens=max_tokens, translation=method.translation)
+    cfg = SpecConfig(k=method.k, max_tokens=run["max_tokens"], translation=method.translation, temp=run["temp"],
+                     seed=run["seed"], sources=method.sources, guard=method.guard)
     out = []
-    for new, _ in speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy):
+    # The history index is read, never learned into: runs stay reproducible.
+    for new, _ in speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy, history=run["history"],
+                                       learn_history=False):
         out += new
         if isinstance(policy, OraclePolicy):
             policy.advance(new)
@@ -199,7 +241,7 @@ def _run_ours(pair, draft_ids, target_ids, method: Method, max_tokens: int, poli
         "proposed": stats.proposed, "accepted": stats.accepted,
         "draft_s": stats.draft_s, "verify_s": stats.verify_s, "other_s": stats.other_s,
         "draft_forwards": stats.draft_forwards, "ngram_hits": stats.ngram_hits,
-        "round_ends": dict(stats.round_ends), "drafted": stats.drafted,
+        "round_ends": dict(stats.round_ends), "drafted": stats.drafted, "by_source": stats.by_source,
     }
 
 
@@ -259,23 +301,24 @@ def first_mismatch(pair, target_ids: list[int], reference: list[int], output: li
     }
 
 
-def run_one(pair, method: Method, prompt: Prompt, max_tokens: int, policy: DraftPolicy | None = None) -> dict:
-    messages = user_messages(prompt.text)
+def run_one(pair, method: Method, prompt: Prompt, run: dict, policy: DraftPolicy | None = None) -> dict:
+    """One decode; `run` holds the run's max_tokens, temp, seed and history index."""
+    messages = prompt.messages()
     target_ids = encode_prompt(pair.target_tok, messages)
     if method.kind == "plain":
-        result = _run_plain(pair, target_ids, max_tokens)
+        result = _run_plain(pair, target_ids, run["max_tokens"], run["temp"], run["seed"])
     elif method.kind == "mlxlm":
-        result = _run_mlxlm(pair, target_ids, method.k, max_tokens)
+        result = _run_mlxlm(pair, target_ids, method.k, run["max_tokens"])
     else:
         draft_ids = encode_prompt(pair.draft_tok, messages)
-        result = _run_ours(pair, draft_ids, target_ids, method, max_tokens, policy)
+        result = _run_ours(pair, draft_ids, target_ids, method, run, policy)
     tokens = len(result["output"])
     record = {
         "prompt_id": prompt.id, "task": prompt.task, "method": method.name, "kind": method.kind,
         "k": method.k, "translation": method.translation, "policy": method.policy,
         "prompt_tokens": len(target_ids),
         "tokens": tokens, "proposed": None, "accepted": None, "draft_forwards": None,
-        "ngram_hits": None, "round_ends": None, **result,
+        "ngram_hits": None, "round_ends": None, "by_source": None, **result,
     }
     record["acceptance"] = record["accepted"] / record["proposed"] if record["proposed"] else None
     record["tokens_per_forward"] = tokens / record["rounds"] if record["rounds"] else None
@@ -359,15 +402,16 @@ def load_pair(cfg: BenchConfig):
 
 def run_bench(cfg: BenchConfig, progress=None) -> dict:
     """Decode every selected prompt with every method; the records and the environment."""
-    prompts = select_prompts(cfg)
-    pair, profile = load_pair(cfg)
+    pair, profile, history = load_pair(cfg)
+    prompts = select_prompts(cfg, pair)
     methods = methods_for(cfg, pair.vmap.same_vocab)
     policies = make_policies(cfg, methods, profile, pair.vmap)
     ngrams_at_start, env = len(pair.ngrams), environment(cfg)
+    run = {"max_tokens": cfg.max_tokens, "temp": cfg.temp, "seed": cfg.seed, "history": history}
 
     warm = Prompt("warmup", "chat", WARMUP_PROMPT)
     for method in methods:  # first calls allocate; keep them out of the numbers
-        run_one(pair, method, warm, WARMUP_TOKENS, policies.get(method.name))
+        run_one(pair, method, warm, {**run, "max_tokens": WARMUP_TOKENS}, policies.get(method.name))
 
     task = progress.add_task("bench", total=len(prompts) * len(methods)) if progress else None
     records, start = [], time.perf_counter()
@@ -381,26 +425,23 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
                 progress.update(task, description=f"{prompt.id} {method.name}")
             policy = policies.get(method.name)
             if isinstance(policy, OraclePolicy):  # show it the reply (plain's, or decoded now, untimed)
-                plain = done.get("plain") or run_one(pair, methods[0], prompt, cfg.max_tokens)
+                plain = done.get("plain") or run_one(pair, methods[0], prompt, run)
                 policy.start(plain["output"])
-            record = run_one(pair, method, prompt, cfg.max_tokens, policy)
+            record = run_one(pair, method, prompt, run, policy)
             record["order"] = order
             record["load_avg_1m"] = os.getloadavg()[0]  # other work on the machine, for drift
             done[method.name] = record
             if progress:
                 progress.advance(task)
-        target_ids = encode_prompt(pair.target_tok, user_messages(prompt.text))
+        target_ids = encode_prompt(pair.target_tok, prompt.messages())
         plain = done["plain"]
         for method in methods:
             record = done[method.name]
-            record["speedup"] = (
-                record["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
-            )
-            record["mismatch"] = (
-                None if record is plain
-                else first_mismatch(pair, target_ids, plain["output"], record["output"])
-            )
-            record["equal_to_plain"] = record["mismatch"] is None
+            record["speedup"] = prompt_speedup(record["tokens_per_s"], plain["tokens_per_s"])
+            # Sampled outputs differ from plain's by design: they are compared by distribution.
+            compare = record is not plain and cfg.temp == 0
+            record["mismatch"] = first_mismatch(pair, target_ids, plain["output"], record["output"]) if compare else None
+            record["equal_to_plain"] = record["mismatch"] is None if cfg.temp == 0 else None
             records.append(record)
     return {
         "config": {**asdict(cfg), "methods": [asdict(m) for m in methods],

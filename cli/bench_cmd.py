@@ -63,7 +63,7 @@ def bench(
     the profile of the pair is read but never written.
     """
     from omnidraft_mlx.atomic import atomic_write_text
-    from omnidraft_mlx.bench.tasks import TASKS
+    from omnidraft_mlx.tasks import TASKS
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
 

@@ -1,7 +1,8 @@
 """`omnidraft chat`: a terminal chat that speculates and learns from the conversation.
 
-The conversation logic is in omnidraft_mlx/chat.py; this is the terminal: line
-editing and history (readline), streaming, Ctrl-C / Ctrl-D.
+The conversation logic is in omnidraft_mlx/chat.py, the commands and what the
+chat shows in chat_view.py; this is the terminal: line editing and history
+(readline), streaming, Ctrl-C / Ctrl-D.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def chat(
     """Chat with TARGET, DRAFT speculating; the pair learns from the conversation."""
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.chat import ChatConfig, ChatSession, Conversation, make_learner
+    from omnidraft_mlx.cli.chat_view import command
     from omnidraft_mlx.cli.main import console, err_console
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.pair import make_pair
@@ -130,7 +132,7 @@ def chat(
                 break
             try:
                 if text.startswith("/"):
-                    out, quit_ = session.command(text)
+                    out, quit_ = command(session, text)
                     if out:
                         console.print(out, markup=False)
                     if quit_:
@@ -149,7 +151,7 @@ def chat(
 
 
 def _reply(session, text: str, colour: bool, console) -> None:
-    from omnidraft_mlx.chat import stats_line
+    from omnidraft_mlx.cli.chat_view import stats_line
 
     reply = session.start(text)
     for note in reply.notes:

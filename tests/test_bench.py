@@ -12,7 +12,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from omnidraft_mlx.bench.tasks import ADAPT_SIZE, TASKS, load_task
+from omnidraft_mlx.tasks import ADAPT_SIZE, TASKS, load_task
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.ngram import NGramCache
 from omnidraft_mlx.profile import profile_dir
@@ -165,6 +165,18 @@ def test_mismatch_reports_position_and_logit_gap(tiny):
     assert (m["position"], m["plain_token"], m["method_token"]) == (2, 7, 9) and m["top2_logit_gap"] >= 0
     m = first_mismatch(pair, prompt, reference, reference[:3])
     assert (m["position"], m["method_token"]) == (3, None)
+
+
+def test_speedup_is_the_median_of_per_prompt_ratios():
+    from omnidraft_mlx.bench.report import record_speedup, speedup
+
+    # Ratios 1, 3, 1: pooled tokens/s would give 1.5, their mean 1.67.
+    assert speedup([(10, 10), (15, 5), (5, 5)]) == {"median": 1.0, "min": 1.0, "max": 3.0, "prompts": 3}
+    assert speedup([(10, 10), (30, 10), (8, 4), (5, 0)])["median"] == 2.0  # no plain rate: left out
+    assert speedup([(1, None)]) is None
+    plain = [{"prompt_id": "a", "tokens_per_s": 4.0}, {"prompt_id": "b", "tokens_per_s": 10.0}]
+    ours = [{"prompt_id": "b", "tokens_per_s": 12.0}, {"prompt_id": "a", "tokens_per_s": 8.0}]
+    assert record_speedup(ours, plain) == {"median": 1.6, "min": 1.2, "max": 2.0, "prompts": 2}
 
 
 @pytest.mark.parametrize("args, message", [
