@@ -17,21 +17,22 @@ def show(draft: str = DRAFT, target: str = TARGET) -> None:
     """What the pair's profile holds."""
     from omnidraft_mlx.cli.main import console
     from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
-    from omnidraft_mlx.profile import load_profile
+    from omnidraft_mlx.profile import load_head, load_profile, profile_files, profile_lock
 
     profile = load_profile(draft, target)
     if not profile.path.exists():
         console.print(f"no profile yet for {draft} -> {target} ({profile.path})")
         return
     m = profile.manifest
-    size = sum(f.stat().st_size for f in profile.path.iterdir() if f.is_file())
+    with profile_lock(profile.path, exclusive=False):
+        size = sum((profile.path / f).stat().st_size for f in profile_files(profile.path))
     console.print(f"profile {profile.path} ({size / 1e6:.1f} MB)")
     console.print(f"  models: {draft} -> {target}")
     console.print(f"  n-gram cache: {len(profile.ngrams)} entries")
     console.print(f"  drafter updates: {profile.updates}" + (f", last saved {m['saved_at']}" if m.get("saved_at") else ""))
-    if profile.head_path.exists():
-        policy = DraftPolicy(PolicyConfig(name="learned"))
-        policy.load(profile.head_path)
+    policy = DraftPolicy(PolicyConfig(name="learned"))
+    load_head(policy, profile.path)
+    if policy.labels:
         state = "deciding" if policy.ready else f"learning (decides after {policy.cfg.warmup})"
         console.print(f"  acceptance head: {len(policy.labels)} labelled draft tokens, {state}")
     if profile.distill:
@@ -56,24 +57,18 @@ def export(out: str = typer.Argument(..., help="Archive to write (.tar.gz)."),
            draft: str = DRAFT, target: str = TARGET) -> None:
     """Write the pair's profile (manifest, adapter, optimizer state, n-grams) into one archive."""
     import io
-    import os
     import tarfile
 
     from omnidraft_mlx.atomic import atomic_write_bytes
     from omnidraft_mlx.cli.main import console
-    from omnidraft_mlx.profile import load_profile
+    from omnidraft_mlx.profile import load_profile, profile_files, profile_lock
 
     profile = load_profile(draft, target)
     if not profile.path.exists():
         raise OmniDraftError(f"no profile for {draft} -> {target} to export")
-    # Everything the profile holds (files of other learners too, e.g. the acceptance head),
-    # but no temporary file of a save in progress and no superseded weights.
-    current = set(profile.manifest.get("files", {}).values())
-    names = sorted(f for f in os.listdir(profile.path)
-                   if not f.startswith(".") and (not f.endswith(".safetensors") or f in current))
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name in names:
+    with profile_lock(profile.path, exclusive=False), tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name in profile_files(profile.path):  # the manifest and what it names, as one version
             tar.add(profile.path / name, arcname=f"{profile.path.name}/{name}")
     atomic_write_bytes(out, buf.getvalue())
     console.print(f"wrote {out} ({len(buf.getvalue()) / 1e6:.1f} MB)")

@@ -4,15 +4,20 @@ Many target tokens are several draft tokens long ('flake' = 'fl' + 'ake').
 Without this cache the target would reject such runs in favour of its own
 merged token. Entries are learned from verified text, bounded in number with
 least-frequently-used eviction, and saved atomically so they survive runs.
+A cache tracks what it learned since it was loaded or saved (new entries,
+lookups), so that merging it with a copy another process saved keeps both
+(a part of the pair's profile: omnidraft_mlx/learned.py).
 """
 
 from __future__ import annotations
 
+import heapq
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.learned import deferred_interrupt
 
 
 class NGramCache:
@@ -22,6 +27,8 @@ class NGramCache:
         self.uses: dict[tuple[int, ...], int] = {}  # lookups that proposed it (LFU)
         self.by_first: dict[int, list[tuple[int, ...]]] = defaultdict(list)  # longest first
         self.hits = 0  # proposals made from the cache in this process
+        self.fresh: set[tuple[int, ...]] = set()  # entries added since loaded or saved
+        self.used: Counter = Counter()  # lookups since loaded or saved
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -29,18 +36,26 @@ class NGramCache:
     def add(self, draft_ids: tuple[int, ...], target_id: int) -> None:
         if len(draft_ids) < 2 or draft_ids in self.entries:
             return
-        if len(self.entries) >= self.capacity:
-            self._evict()
-        self.entries[draft_ids] = target_id
-        self.uses[draft_ids] = 0
-        bucket = self.by_first[draft_ids[0]]
-        bucket.append(draft_ids)
+        with deferred_interrupt():  # the entry, its count and its bucket change together
+            if len(self.entries) >= self.capacity:
+                self._evict(len(self.entries) - self.capacity + 1)
+            self._insert(draft_ids, target_id, 0)
+            self.fresh.add(draft_ids)
+
+    def _insert(self, gram: tuple[int, ...], target_id: int, uses: int) -> None:
+        self.entries[gram] = target_id
+        self.uses[gram] = uses
+        bucket = self.by_first[gram[0]]
+        bucket.append(gram)
         bucket.sort(key=len, reverse=True)
 
-    def _evict(self) -> None:
-        victim = min(self.uses, key=self.uses.__getitem__)
-        del self.entries[victim], self.uses[victim]
-        self.by_first[victim[0]].remove(victim)
+    def _evict(self, n: int) -> None:
+        """Drop the n least used entries."""
+        for victim in heapq.nsmallest(n, self.uses, key=self.uses.__getitem__):
+            del self.entries[victim], self.uses[victim]
+            self.by_first[victim[0]].remove(victim)
+            self.fresh.discard(victim)
+            self.used.pop(victim, None)
 
     def match(self, draft_ids: list[int], start: int) -> tuple[int, ...] | None:
         """Longest cached n-gram that draft_ids[start:] begins with."""
@@ -57,18 +72,37 @@ class NGramCache:
         )
 
     def record_use(self, gram: tuple[int, ...]) -> None:
-        self.uses[gram] += 1
-        self.hits += 1
+        with deferred_interrupt():
+            self.uses[gram] += 1
+            self.used[gram] += 1
+            self.hits += 1
+
+    def merge(self, other: "NGramCache") -> None:
+        """Become `other` (this cache as another process saved it) plus what this one
+        learned since it was loaded or saved: its new entries, and its lookups added
+        to the saved counts; least used entries go past the capacity."""
+        with deferred_interrupt():
+            fresh = {g: self.entries[g] for g in self.fresh}
+            self.entries, self.uses, self.by_first = {}, {}, defaultdict(list)
+            for gram, target_id in other.entries.items():
+                self._insert(gram, target_id, other.uses[gram] + self.used.get(gram, 0))
+            for gram, target_id in fresh.items():
+                if gram not in self.entries:
+                    self._insert(gram, target_id, self.used.get(gram, 0))
+            self.used = Counter({g: n for g, n in self.used.items() if g in self.entries})
+            if len(self.entries) > self.capacity:
+                self._evict(len(self.entries) - self.capacity)
 
     def save(self, path: str | Path) -> None:
         rows = [[list(g), t, self.uses[g]] for g, t in self.entries.items()]
         atomic_write_text(path, json.dumps({"capacity": self.capacity, "entries": rows}))
+        self.fresh, self.used = set(), Counter()
 
     @classmethod
     def load(cls, path: str | Path) -> "NGramCache":
         data = json.loads(Path(path).read_text())
         cache = cls(data["capacity"])
         for gram, target_id, uses in data["entries"]:
-            cache.add(tuple(gram), target_id)
-            cache.uses[tuple(gram)] = uses
+            if len(gram) >= 2 and tuple(gram) not in cache.entries:
+                cache._insert(tuple(gram), target_id, uses)
         return cache

@@ -1,37 +1,63 @@
-"""What a drafter/target pair learns from use, kept on disk between runs.
+"""What a drafter/target pair learns from use, kept on disk between runs and
+shared by the processes that use the pair at the same time.
 
-A profile directory holds the n-gram cache (ngrams.json), the drafter's
-adapter weights and optimizer state (files named by update number), and
-manifest.json: format version, the two models' identities, the training
-settings, the position reached in each corpus, and a short history. Saving
-writes the new weight files first and the manifest last (each atomically, by
-rename); files the manifest no longer names are deleted only after it is
-written. So a kill at any moment leaves the previous profile loadable and
-loses at most the update in flight.
+A profile directory holds manifest.json and the files it names: the drafter's
+adapter weights and optimizer state, and the learned parts (omnidraft_mlx/
+learned.py: the n-gram cache, the acceptance head, ...), each file named by the
+save that wrote it (`ngrams-000012.json`); the manifest also holds the format
+version, the two models' identities, the training settings, the update count,
+the position reached in each corpus, and a short history.
+
+Reads hold a shared lock and saves an exclusive one (fcntl.flock on .lock in the
+directory). A save re-reads the manifest under its lock and builds on what
+another process saved since this one loaded (or last saved):
+- each learned part merges the saved one with its own learning since: n-gram
+  entries and lookup counts, acceptance-head labels (learned.py);
+- the update count is the sum, the history theirs then this save's record;
+- a corpus position is the furthest either reached (it says where to resume: two
+  processes that read the same prompts have learned from them once);
+- adapter weights cannot be merged: a process saving an update keeps its own
+  adapter and optimizer state as the newest, counts both processes' updates,
+  and says so in one line; a save without an update leaves the adapter as it is.
+It writes the new files first and the manifest last (each atomically, by
+rename), then deletes the files the replaced manifest named and leftovers of
+saves that died midway: while the lock is held no other writer has files in
+flight. So a kill at any moment leaves the previous profile loadable and loses
+at most the save in flight, and Ctrl-C is held until a save ends. Profiles
+written before the parts were versioned (ngrams.json, accept_head.npz) load as
+they are; their next save versions them.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Callable, Iterator
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from omnidraft_mlx.atomic import atomic_write_text
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.learned import Part, deferred_interrupt
 from omnidraft_mlx.ngram import NGramCache
 
 FORMAT = 1
 MANIFEST = "manifest.json"
-NGRAMS = "ngrams.json"
-HEAD = "accept_head.npz"  # the learned draft-length policy (written by DraftPolicy.save)
+LOCK = ".lock"
+NGRAMS, HEAD = "ngrams", "accept_head"  # part names; older profiles: ngrams.json, accept_head.npz
+HISTORY = "history"  # lookup.HistoryIndex
+VERSIONED = re.compile(r"[a-z_]+-\d{6}\.[a-z]+")  # a file named by the save that wrote it
 
 
 def _slug(name: str) -> str:
@@ -64,13 +90,26 @@ def model_identity(name: str) -> str:
     return f"dir:{h.hexdigest()[:32]}"
 
 
+def _print_note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
+
+
 @dataclass
 class Profile:
     path: Path
     draft: str
     target: str
     ngrams: NGramCache = field(default_factory=NGramCache)
-    manifest: dict = field(default_factory=dict)
+    manifest: dict = field(default_factory=dict)  # as this process last read or wrote it
+    note: Callable[[str], None] = _print_note  # what a save did that the user should know
+    parts: dict[str, Part] = field(default_factory=dict, init=False, repr=False)
+    synced: dict[str, str | None] = field(default_factory=dict, init=False)  # each part's file when loaded/saved
+    optimizer_state: dict | None = field(default=None, init=False, repr=False)  # read with a trainable adapter
+
+    def __post_init__(self):
+        self.path = Path(self.path)
+        self.parts[NGRAMS] = Part(self.ngrams, ".json", NGramCache.load)
+        self.synced[NGRAMS] = _part_file(self.path, self.manifest, NGRAMS, ".json")
 
     @property
     def updates(self) -> int:
@@ -81,59 +120,187 @@ class Profile:
         """Settings the adapter was trained with (None: no adapter yet)."""
         return self.manifest.get("distill")
 
-    @property
-    def head_path(self) -> Path:
-        return self.path / HEAD
-
     def position(self, corpus: str) -> int:
         return self.manifest.get("corpus", {}).get(corpus, 0)
 
-    def save(self, model, optimizer=None, distill: dict | None = None, corpus: str | None = None,
-             position: int | None = None, record: dict | None = None) -> None:
-        """Write the trainable weights, optimizer state and n-grams, then the manifest."""
-        from omnidraft_mlx.distill import trainable_weights
+    def attach(self, name: str, obj, suffix: str, read: Callable[[Path], object]) -> None:
+        """Keep `obj` (save/merge, learned.py) in the profile as the part `name`: it
+        takes in what was saved of it, and every save from now on writes it."""
+        self.synced[name] = _load_part(self.path, name, obj, suffix, read)
+        self.parts[name] = Part(obj, suffix, read)
 
-        n = self.updates + 1
-        files = {"adapter": f"adapter-{n:06d}.safetensors"}
-        if optimizer is not None:
-            files["optimizer"] = f"optimizer-{n:06d}.safetensors"
-        manifest = dict(self.manifest)
-        manifest.update(
-            format=FORMAT, draft=self.draft, target=self.target, updates=n, files=files,
-            draft_id=model_identity(self.draft), target_id=model_identity(self.target),
-            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
-        )
-        if distill is not None:
-            manifest["distill"] = distill
-        if corpus is not None:
-            manifest["corpus"] = {**manifest.get("corpus", {}), corpus: position}
-        if record is not None:
-            manifest["history"] = (manifest.get("history", []) + [record])[-1000:]
+    def attach_policy(self, policy):
+        """The draft-length policy's acceptance head, as a part; returns the policy."""
+        from omnidraft_mlx.policy import DraftPolicy
+
+        self.attach(HEAD, policy, ".npz", partial(DraftPolicy.read, policy.cfg))
+        return policy
+
+    def attach_history(self):
+        """The index of the target's earlier replies (lookup drafting), as a part; returns it.
+        It lives in the pair's profile, under the pair's lock, beside the n-grams it complements."""
+        from omnidraft_mlx.lookup import HistoryIndex
+
+        history = HistoryIndex()
+        self.attach(HISTORY, history, ".json", HistoryIndex.load)
+        return history
+
+    def save(self, model=None, optimizer=None, distill: dict | None = None, corpus: str | None = None,
+             position: int | None = None, record: dict | None = None) -> None:
+        """Save every part; with `model`, one more drafter update too (its trainable
+        weights, optimizer state, settings, corpus position and history record).
+        Builds on whatever another process saved meanwhile (module docstring)."""
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            _save_arrays(self.path / files["adapter"], trainable_weights(model))
-            if optimizer is not None:
-                _save_arrays(self.path / files["optimizer"], dict(tree_flatten(optimizer.state)))
-            self.ngrams.save(self.path / NGRAMS)
-            atomic_write_text(self.path / MANIFEST, json.dumps(manifest, indent=1))
+            with profile_lock(self.path, exclusive=True), deferred_interrupt():  # Ctrl-C still stops a wait
+                self._save_locked(model, optimizer, distill, corpus, position, record)
         except OSError as e:
             raise OmniDraftError(
                 f"could not save the profile in {self.path} ({e.strerror or e}): free some disk space; "
                 "the previous profile is intact"
             ) from e
+
+    def _save_locked(self, model, optimizer, distill, corpus, position, record) -> None:
+        from omnidraft_mlx.distill import trainable_weights
+
+        disk = _read_manifest(self.path)
+        for name, part in self.parts.items():  # take in what others saved since this process last did
+            saved = _part_file(self.path, disk, name, part.suffix)
+            if saved and saved != self.synced.get(name):
+                part.obj.merge(_read_part(self.path / saved, part.read))
+        version = max(disk.get("version", 0), disk.get("updates", 0)) + 1  # above older profiles' adapter-{update}
+        files = dict(disk.get("files", {}))
+        manifest = {**disk, "format": FORMAT, "draft": self.draft, "target": self.target, "version": version,
+                    "draft_id": model_identity(self.draft), "target_id": model_identity(self.target),
+                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        written = []
+
+        def write(kind: str, suffix: str, save: Callable[[Path], None]) -> None:
+            name = f"{kind}-{version:06d}{suffix}"
+            written.append(name)
+            save(self.path / name)
+            if (self.path / name).exists():  # a part with nothing learned writes nothing
+                files[kind] = name
+
+        try:
+            if model is not None:
+                n = disk.get("updates", 0) + 1
+                if (theirs := n - 1 - self.updates) > 0:
+                    self.note(f"another process saved {theirs} drafter update(s) to {self.path} since this one "
+                              f"loaded it: this one's adapter, trained without them, is now the newest (update {n}); "
+                              "both are counted and their n-grams, head labels and history are kept")
+                write("adapter", ".safetensors", partial(_save_arrays, arrays=trainable_weights(model)))
+                files.pop("optimizer", None)  # another adapter's state, if any, must not go with this one
+                if optimizer is not None:
+                    write("optimizer", ".safetensors", partial(_save_arrays, arrays=dict(tree_flatten(optimizer.state))))
+                manifest["updates"] = n
+                if distill is not None:
+                    manifest["distill"] = distill
+                if record is not None:
+                    record = {**record, "update": n}
+            if corpus is not None:
+                done = disk.get("corpus", {})
+                manifest["corpus"] = {**done, corpus: max(position or 0, done.get(corpus, 0))}
+            if record is not None:
+                manifest["history"] = (disk.get("history", []) + [record])[-1000:]
+            for name, part in self.parts.items():
+                write(name, part.suffix, part.obj.save)
+            manifest["files"] = files
+            atomic_write_text(self.path / MANIFEST, json.dumps(manifest, indent=1))
+        except BaseException:
+            for name in written:
+                (self.path / name).unlink(missing_ok=True)
+            raise
         self.manifest = manifest
-        keep = set(files.values()) | {MANIFEST, NGRAMS}
-        for f in self.path.iterdir():
-            if f.name not in keep and (f.suffix == ".safetensors" or f.name.endswith(".tmp")):
-                f.unlink(missing_ok=True)
+        self.synced = {name: files.get(name) for name in self.parts}
+        _remove_unnamed(self.path, files)
 
     def load_optimizer(self, optimizer) -> None:
-        name = self.manifest.get("files", {}).get("optimizer")
-        if name:
-            optimizer.state = tree_unflatten(list(_load_arrays(self.path / name).items()))
+        """Give the optimizer the state saved with the adapter (read by load_profile(trainable=True))."""
+        if self.optimizer_state:
+            optimizer.state = tree_unflatten(list(self.optimizer_state.items()))
+        self.optimizer_state = None
 
-    def save_ngrams(self) -> None:
-        self.ngrams.save(self.path / NGRAMS)
+
+@contextmanager
+def profile_lock(path: Path, exclusive: bool) -> Iterator[None]:
+    """Hold the profile's lock: shared to read, exclusive to write. Reading a profile
+    that does not exist (or that this user cannot lock) takes no lock."""
+    fd = _acquire(Path(path), exclusive)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _acquire(path: Path, exclusive: bool) -> int | None:
+    while True:
+        if exclusive:
+            path.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except (FileNotFoundError, PermissionError):
+            if exclusive and not path.exists():
+                continue  # reset meanwhile
+            if exclusive:
+                raise
+            return None
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            if os.stat(path / LOCK).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the profile was reset while this process waited: lock the new one
+
+
+def _part_file(path: Path, manifest: dict, name: str, suffix: str) -> str | None:
+    """The file holding a part: named in the manifest, or an older profile's unversioned one."""
+    if name in manifest.get("files", {}):
+        return manifest["files"][name]
+    return f"{name}{suffix}" if (path / f"{name}{suffix}").exists() else None
+
+
+def _read_part(path: Path, read: Callable[[Path], object]):
+    try:
+        return read(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise OmniDraftError(f"the profile file {path} is unreadable ({e}): run `omnidraft profile reset`") from e
+
+
+def _load_part(path: Path, name: str, obj, suffix: str, read: Callable[[Path], object]) -> str | None:
+    """Merge the saved part into obj; the file it came from (None: none saved)."""
+    with profile_lock(path, exclusive=False):
+        saved = _part_file(path, _read_manifest(path), name, suffix)
+        if saved:
+            obj.merge(_read_part(path / saved, read))
+    return saved
+
+
+def load_head(policy, path: Path) -> None:
+    """Give the policy the acceptance head saved in the profile at path (read only)."""
+    from omnidraft_mlx.policy import DraftPolicy
+
+    _load_part(Path(path), HEAD, policy, ".npz", partial(DraftPolicy.read, policy.cfg))
+
+
+def profile_files(path: Path) -> list[str]:
+    """The files a profile consists of, manifest first (call under the lock)."""
+    manifest = _read_manifest(path)
+    named = list(manifest.get("files", {}).values())
+    legacy = [f"{n}{s}" for n, s in ((NGRAMS, ".json"), (HEAD, ".npz")) if n not in manifest.get("files", {})]
+    return [f for f in [MANIFEST] * bool(manifest) + named + legacy if (path / f).exists()]
+
+
+def _remove_unnamed(path: Path, files: dict) -> None:
+    """Delete what the manifest no longer names: superseded files, an older profile's
+    unversioned part files, and leftovers of saves that died (call under the lock)."""
+    named = set(files.values())
+    for f in path.iterdir():
+        stem = f.name.split(".")[0]
+        if f.name not in named and (VERSIONED.fullmatch(f.name) or stem in files
+                                    or (f.name.startswith(".") and ".tmp" in f.name)):
+            f.unlink(missing_ok=True)
 
 
 def _save_arrays(path: Path, arrays: dict) -> None:
@@ -193,14 +360,19 @@ def load_profile(draft_name: str, target_name: str, draft_model=None, trainable:
     from omnidraft_mlx.distill import DistillConfig, fuse_lora, setup_trainable, trainable_weights
 
     path = Path(path) if path is not None else profile_dir(draft_name, target_name)
-    manifest = _read_manifest(path)
-    check_profile(manifest, path, draft_name, target_name)
-    ngrams = NGramCache.load(path / NGRAMS) if (path / NGRAMS).exists() else NGramCache()
-    profile = Profile(path, draft_name, target_name, ngrams, manifest)
-    adapter = manifest.get("files", {}).get("adapter")
-    if draft_model is not None and adapter and profile.distill:
+    with profile_lock(path, exclusive=False):  # the manifest and the files it names, as one version
+        manifest = _read_manifest(path)
+        check_profile(manifest, path, draft_name, target_name)
+        profile = Profile(path, draft_name, target_name, manifest=manifest)
+        if profile.synced[NGRAMS]:
+            profile.ngrams = profile.parts[NGRAMS].obj = _read_part(path / profile.synced[NGRAMS], NGramCache.load)
+        files = manifest.get("files", {})
+        adapter = files.get("adapter") if draft_model is not None and profile.distill else None
+        weights = _load_arrays(path / adapter) if adapter else None
+        if weights is not None and trainable and files.get("optimizer"):
+            profile.optimizer_state = _load_arrays(path / files["optimizer"])
+    if weights is not None:
         setup_trainable(draft_model, DistillConfig.from_dict(profile.distill))
-        weights = _load_arrays(path / adapter)
         expected = {k: v.shape for k, v in trainable_weights(draft_model).items()}
         if expected != {k: v.shape for k, v in weights.items()}:
             raise OmniDraftError(
@@ -213,18 +385,9 @@ def load_profile(draft_name: str, target_name: str, draft_model=None, trainable:
     return profile
 
 
-def load_ngrams(draft: str, target: str) -> NGramCache:
-    """The pair's n-gram cache alone (kept for callers not yet on load_profile)."""
-    path = profile_dir(draft, target) / NGRAMS
-    return NGramCache.load(path) if path.exists() else NGramCache()
-
-
-def save_ngrams(draft: str, target: str, cache: NGramCache) -> None:
-    cache.save(profile_dir(draft, target) / NGRAMS)
-
-
 def reset_profile(draft: str, target: str) -> Path:
     path = profile_dir(draft, target)
     if path.exists():
-        shutil.rmtree(path)
+        with profile_lock(path, exclusive=True):  # not in the middle of another process's save
+            shutil.rmtree(path)
     return path
