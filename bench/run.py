@@ -38,6 +38,7 @@ from omnidraft_mlx.bench.usecases import USE_CASES, edit_prompts, file_prompts, 
 from omnidraft_mlx.tasks import TASKS, Prompt, load_task
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.generate import PlainStats, plain_generate
+from omnidraft_mlx.models.pull import model_home
 from omnidraft_mlx.policy import POLICIES, DraftPolicy, PolicyConfig
 from omnidraft_mlx.profile import load_head
 from omnidraft_mlx.settings import check_choice, check_range
@@ -181,7 +182,7 @@ def make_policies(cfg: BenchConfig, methods: list[Method], profile: dict | None,
         elif m.kind == "ours":
             policies[m.name] = DraftPolicy(PolicyConfig(name=m.policy, k=m.k, gamma=m.gamma))
             if m.policy == "learned" and profile is not None:
-                load_head(policies[m.name], Path(profile["path"]))
+                load_head(policies[m.name], model_home() / profile["path"])
     return policies
 
 
@@ -382,6 +383,12 @@ def environment(cfg: BenchConfig) -> dict:
     }
 
 
+def recorded_path(path: Path) -> str:
+    """A path as results record it: relative to OMNIDRAFT_HOME when under it (model_home() / it
+    finds it again), so committed results hold no machine's paths."""
+    return str(path.relative_to(model_home()) if path.is_relative_to(model_home()) else path)
+
+
 def load_pair(cfg: BenchConfig):
     """Both models, once, with the pair's saved profile (adapter, n-gram cache) unless told
     to ignore it; the second value describes what the profile brought (None: ignored)."""
@@ -394,7 +401,7 @@ def load_pair(cfg: BenchConfig):
     profile = load_profile(cfg.draft, cfg.target, draft) if cfg.use_profile else None
     pair = make_pair(draft, draft_tok, target, target_tok, profile and profile.ngrams)
     used = None if profile is None else {
-        "path": str(profile.path), "adapter": bool(profile.distill), "updates": profile.updates,
+        "path": recorded_path(profile.path), "adapter": bool(profile.distill), "updates": profile.updates,
         "ngrams": len(profile.ngrams),
     }
     return pair, used

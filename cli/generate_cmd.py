@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 from rich.text import Text
 
+from omnidraft_mlx.drafts import SOURCES
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy, parse_gamma
 from omnidraft_mlx.textstream import TextStream
@@ -60,6 +61,8 @@ def generate(
     policy: str = typer.Option("learned", "--policy", help="Draft length: learned (default: fixed --k until its head has learned; saved in the profile), fixed, confidence or heuristic."),
     gamma: str = typer.Option("auto", "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this; auto: set from the measured drafter and target costs."),
     max_k: int = typer.Option(8, "--max-k", help="Adaptive policies: most draft tokens per round."),
+    source: str = typer.Option(",".join(SOURCES), "--source", help="Draft sources to choose from each round, comma-separated: drafter (the model), context (lookup in the prompt and reply), history (lookup in earlier replies)."),
+    no_guard: bool = typer.Option(False, "--no-guard", help="Always draft (for measurements); by default the loop decodes plainly while no source is expected to pay."),
     show_draft: bool = typer.Option(False, "--show-draft", help="Colour the tokens that came from the drafter."),
     no_profile: bool = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the generated text."),
@@ -76,7 +79,7 @@ def generate(
         prompt = sys.stdin.read()
     # The settings check themselves (one-line errors), before any model loads; plain decoding too.
     cfg = SpecConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed,
-                     translation=translation, sampling=sampling)
+                     translation=translation, sampling=sampling, sources=source, guard=not no_guard)
     policy_cfg = PolicyConfig(name=check_policy(policy), k=k, max_k=max_k, gamma=parse_gamma(gamma))
     if not quiet:
         warn_if_slow_blas(err_console)
@@ -106,10 +109,12 @@ def generate(
         stats = SpecStats()
         printer = Printer(pair.vmap.target_bytes, console, show_draft, quiet)
         draft_policy = DraftPolicy(policy_cfg)
+        history = None
         if profile is not None:
             profile.attach_policy(draft_policy)
+            history = profile.attach_history()
         try:
-            for new, drafted in speculative_generate(pair, draft_ids, target_ids, cfg, stats, draft_policy):
+            for new, drafted in speculative_generate(pair, draft_ids, target_ids, cfg, stats, draft_policy, history):
                 printer.add(new, drafted)
         finally:
             printer.finish()
@@ -121,7 +126,9 @@ def generate(
                 f"{stats.acceptance:.2f} | {stats.tokens_per_forward:.2f} tokens/target forward | "
                 f"n-gram hits {stats.ngram_hits} (cache {len(pair.ngrams)}) | vocab intersection "
                 f"{pair.vmap.size} | prefill {stats.prefill_s:.2f}s | draft {stats.draft_s:.1f}s "
-                f"verify {stats.verify_s:.1f}s other {stats.other_s:.2f}s[/]"
+                f"verify {stats.verify_s:.1f}s other {stats.other_s:.2f}s | rounds by source "
+                + ", ".join(f"{name} {rounds} ({accepted}/{proposed})" for name, (rounds, proposed, accepted)
+                            in stats.by_source.items()) + "[/]"
             )
     else:
         from omnidraft_mlx.pair import vocab_size

@@ -1,11 +1,13 @@
-"""Cross-vocabulary speculative decoding: the decode loop.
+"""Speculative decoding: the decode loop.
 
-One round: the drafter proposes up to k tokens from its own KV cache; they are
-translated into m target tokens; the target scores all of them in ONE forward
-pass; the longest acceptable prefix is kept and the target adds one token of
-its own; the target's cache is trimmed back to what was kept and the drafter
-re-synchronizes from the accepted text. The target's tokens are the truth:
-at temperature 0 the output equals the target's own greedy output.
+One round: propose a draft in target tokens (the model drafter's, translated
+from its vocabulary, or one looked up for free: drafts.py, drafter.py,
+lookup.py; the scheduler picks, or no draft at all when none pays) -> one
+target forward over all of it -> verify (the longest acceptable prefix, plus
+one token of the target's own) -> trim the target's cache back to what was
+kept -> settle (the source learns, statistics) -> yield. The target's tokens are
+the truth: at temperature 0 the output equals the target's own greedy output,
+and sampled output has the target's distribution.
 """
 
 from __future__ import annotations
@@ -16,21 +18,22 @@ from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_top_p
 
-from omnidraft_mlx.align import byte_ends, spelled_bytes
+from omnidraft_mlx.drafter import DrafterSource, softmax
+from omnidraft_mlx.drafts import SOURCES, Context, Draft
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.kvcache import KVSlot
+from omnidraft_mlx.lookup import ContextLookup, HistoryIndex, HistorySource
 from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
-from omnidraft_mlx.translate import complete_utf8, translate_text, translate_tokens
-
-PREFILL_CHUNK = 512
+from omnidraft_mlx.scheduler import Scheduler
+from omnidraft_mlx.settings import check_choice, check_range
 
 
 @dataclass
 class SpecConfig:
-    k: int = 4  # draft tokens per round
+    k: int = 4  # draft tokens per round (the drafter's, under the fixed policy)
     temp: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     max_tokens: int = 256
@@ -38,23 +41,43 @@ class SpecConfig:
     sampling: str = "exact"  # "exact" (direct maps, provably lossless) or "omnidraft" (+ n-grams)
     lookbehind: int = 4  # draft tokens re-tokenized behind the accepted text
     seed: int = 0
+    sources: tuple[str, ...] = SOURCES  # draft sources to choose from each round
+    guard: bool = True  # decode plainly while no source is expected to pay
+    lookup_len: int = 8  # most tokens a lookup proposes
+
+    def __post_init__(self):
+        if isinstance(self.sources, str):
+            self.sources = tuple(s.strip() for s in self.sources.split(",") if s.strip())
+        check_range("--k", self.k, 1)
+        check_range("--temp", self.temp, 0)
+        check_range("--top-p", self.top_p, 0, 1, open_low=True)
+        check_range("--max-tokens", self.max_tokens, 1)
+        check_choice("--translation", self.translation, ("text", "tokens"))
+        check_choice("--sampling", self.sampling, ("exact", "omnidraft"))
+        if not self.sources:
+            raise OmniDraftError(f"--source needs at least one of {', '.join(SOURCES)}")
+        for source in self.sources:
+            check_choice("--source", source, SOURCES)
+        check_range("--lookup-len", self.lookup_len, 1)
 
 
 @dataclass
 class SpecStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the target's cache already held
     prefill_s: float = 0.0  # both models' prompt processing
     generate_s: float = 0.0  # everything after prefill
-    draft_s: float = 0.0  # drafter forwards (re-sync + drafting)
+    draft_s: float = 0.0  # proposing (drafter forwards, lookups, translation)
     verify_s: float = 0.0  # target forwards
     rounds: int = 0  # = target forward passes after prefill
     proposed: int = 0  # target tokens proposed
     accepted: int = 0
     emitted: int = 0
-    ngram_hits: int = 0
-    draft_forwards: int = 0
+    ngram_hits: int = 0  # accepted tokens that were n-gram cache merges
+    draft_forwards: int = 0  # drafter forwards after prefill (re-syncs included)
     drafted: int = 0  # draft tokens behind the proposals
     round_ends: dict = field(default_factory=dict)  # rounds "all accepted" / "rejected"
+    by_source: dict = field(default_factory=dict)  # source -> [rounds, proposed, accepted]
 
     @property
     def acceptance(self) -> float:
@@ -72,64 +95,21 @@ class SpecStats:
     def other_s(self) -> float:
         return max(0.0, self.generate_s - self.draft_s - self.verify_s)
 
-
-def prefill(model, cache, ids: list[int]) -> mx.array | None:
-    """Feed ids through model into cache (in chunks); final hidden state of the last position."""
-    hidden = None
-    for start in range(0, len(ids), PREFILL_CHUNK):
-        hidden = model.model(mx.array(ids[start : start + PREFILL_CHUNK])[None], cache=cache)[0, -1]
-        mx.eval(hidden)
-    return hidden
-
-
-def output_head(model):
-    """The model's hidden -> logits projection (tied embeddings or lm_head)."""
-    head = getattr(model, "lm_head", None)
-    return head if head is not None else model.model.embed_tokens.as_linear
-
-
-class DraftState:
-    """The drafter's KV cache over its own tokenization of prompt + accepted text."""
-
-    def __init__(self, pair: Pair, prompt_ids: list[int], lookbehind: int):
-        self.pair, self.prompt, self.lookbehind = pair, prompt_ids, lookbehind
-        self.cache = make_prompt_cache(pair.draft)
-        self.fed: list[int] = []  # ids in the cache, drafted ones included
-        self.text_ids: list[int] = []  # draft tokenization of the accepted text
-        self.text_ends: list[int] = []  # byte offset where each of those ends
-
-    def feed(self, ids: list[int]) -> tuple[mx.array, mx.array]:
-        self.fed += ids
-        hidden = prefill(self.pair.draft, self.cache, ids)
-        return output_head(self.pair.draft)(hidden), hidden
-
-    def sync(self, text: bytes, committed: list[int]) -> tuple[mx.array, mx.array]:
-        """Point the drafter at the accepted text; logits (and hidden state) for its next token."""
-        if self.pair.vmap.same_vocab:
-            self.text_ids = list(committed)
-        else:
-            # Re-tokenize a few tokens behind the new text: a merge may cross it.
-            keep = max(0, len(self.text_ids) - self.lookbehind)
-            start = self.text_ends[keep - 1] if keep else 0
-            tail = complete_utf8(text[start:]).decode("utf-8", errors="replace")
-            tail_ids = list(self.pair.draft_tok.encode(tail, add_special_tokens=False)) if tail else []
-            ends = np.cumsum([len(self.pair.vmap.draft_bytes[d] or b"") for d in tail_ids]) + start
-            self.text_ids = self.text_ids[:keep] + tail_ids
-            self.text_ends = self.text_ends[:keep] + ends.tolist()
-        context = self.prompt + self.text_ids
-        common = 0
-        for a, b in zip(self.fed, context):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(context) - 1)  # always feed one token to get logits
-        trim_prompt_cache(self.cache, len(self.fed) - common)
-        self.fed = self.fed[:common]
-        return self.feed(context[common:])
-
-
-def _softmax(logits: mx.array, temp: float) -> np.ndarray:
-    return np.array(mx.softmax(logits.astype(mx.float32) / temp, axis=-1))
+    def add_round(self, draft: Draft, accepted: int, draft_s: float, verify_s: float) -> None:
+        self.rounds += 1
+        self.proposed += len(draft.tokens)
+        self.accepted += accepted
+        self.drafted += draft.drafted
+        self.draft_forwards += draft.forwards
+        self.ngram_hits += sum(draft.merged[:accepted])
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+        if draft.tokens:
+            why = "all accepted" if accepted == len(draft.tokens) else "rejected"
+            self.round_ends[why] = self.round_ends.get(why, 0) + 1
+        counts = self.by_source.setdefault(draft.source.split(":")[0], [0, 0, 0])
+        for i, x in enumerate((1, len(draft.tokens), accepted)):
+            counts[i] += x
 
 
 def target_probs(logits: mx.array, temp: float, top_p: float) -> np.ndarray:
@@ -137,7 +117,7 @@ def target_probs(logits: mx.array, temp: float, top_p: float) -> np.ndarray:
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if 0 < top_p < 1:
         logprobs = apply_top_p(logprobs, top_p)
-    return _softmax(logprobs, temp)
+    return softmax(logprobs, temp)
 
 
 def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -147,148 +127,79 @@ def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return r / total if total > 0 else p
 
 
-def proposal_dist(pair: Pair, probs, draft_ids, span, target_id) -> np.ndarray:
-    """q' over the target vocabulary at one proposed position (paper's Eq. 2 for n-grams)."""
-    q = probs[span[0]]
-    qt = np.bincount(pair.mapped_target, q[pair.mapped_draft], minlength=len(pair.vmap.target_bytes))
-    if span[1] - span[0] > 1:
-        merged = float(np.prod([probs[j][draft_ids[j]] for j in range(*span)]))
-        qt[target_id] += merged
-        first = pair.vmap.draft_to_target[draft_ids[span[0]]]
-        if first >= 0:
-            qt[first] = max(0.0, qt[first] - merged)
-    return qt
-
-
-def verify_sampled(pair, out, proposal, spans, probs, draft_ids, cfg, rng) -> tuple[int, int]:
-    """Standard speculative sampling: (accepted count, the target's next token)."""
+def verify(out: mx.array, draft: Draft, cfg: SpecConfig, rng) -> tuple[int, int]:
+    """(draft tokens accepted, the target's next token). Greedy: while the target's
+    argmax agrees. Sampling: the standard rule, accept t with min(1, p(t)/q'(t)),
+    else sample from the residual (a point mass q': accept with p(t), else p without t)."""
+    if cfg.temp == 0:
+        choice = out.argmax(axis=-1).tolist()
+        n = next((i for i, t in enumerate(draft.tokens) if choice[i] != t), len(draft.tokens))
+        return n, choice[n]
     p = target_probs(out, cfg.temp, cfg.top_p)
-    for n, t in enumerate(proposal):
-        qt = proposal_dist(pair, probs, draft_ids, spans[n], t)
-        if rng.random() * qt[t] >= p[n, t]:  # reject with prob 1 - min(1, p/q')
-            return n, int(rng.choice(p.shape[1], p=residual(p[n], qt)))
-    n = len(proposal)
+    for n, t in enumerate(draft.tokens):
+        q = draft.proposal(n, p.shape[1])
+        if rng.random() * q[t] >= p[n, t]:  # reject with prob 1 - min(1, p/q')
+            return n, int(rng.choice(p.shape[1], p=residual(p[n], q)))
+    n = len(draft.tokens)
     return n, int(rng.choice(p.shape[1], p=p[n] / p[n].sum()))
 
 
-def drafted_and_kept(vmap, draft_ids: list[int], accepted: list[int]) -> list[bool]:
-    """Per drafted token: is its text within the accepted target tokens? (labels
-    across vocabularies; text that only the target's own next token spells made
-    no token of the draft's kept)"""
-    drafted = spelled_bytes(draft_ids, vmap.draft_bytes)
-    kept = spelled_bytes(accepted, vmap.target_bytes)
-    matched = next((i for i, (a, b) in enumerate(zip(drafted, kept)) if a != b), min(len(drafted), len(kept)))
-    return (byte_ends(draft_ids, vmap.draft_bytes) <= matched).tolist()
+def make_scheduler(pair: Pair, draft_prompt: list[int], cfg: SpecConfig, policy: DraftPolicy,
+                   history: HistoryIndex | None = None, draft_slot: KVSlot | None = None,
+                   learn_history: bool = True) -> Scheduler:
+    """The configured sources (history only with an index to draw on), in one scheduler."""
+    sources = []
+    if "context" in cfg.sources:
+        sources.append(ContextLookup(max_len=cfg.lookup_len))
+    if "history" in cfg.sources and history is not None:
+        sources.append(HistorySource(history, learn_history, cfg.lookup_len))
+    if "drafter" in cfg.sources:
+        sources.append(DrafterSource(pair, draft_prompt, cfg, policy, draft_slot))
+    return Scheduler(sources, cfg.guard)
 
 
 def speculative_generate(
     pair: Pair, draft_prompt: list[int], target_prompt: list[int], cfg: SpecConfig, stats: SpecStats,
-    policy: DraftPolicy | None = None,
+    policy: DraftPolicy | None = None, history: HistoryIndex | None = None,
+    target_slot: KVSlot | None = None, draft_slot: KVSlot | None = None, learn_history: bool = True,
 ) -> Iterator[tuple[list[int], list[bool]]]:
-    """Yield (new target ids, which of them were drafted) after every round."""
-    if cfg.k < 1:
-        raise OmniDraftError(f"draft length k must be at least 1 (got {cfg.k})")
+    """Yield (new target ids, which of them were drafted) after every round. Given slots,
+    their caches are reused (common prefix kept); on return each holds what its cache holds."""
     policy = policy or DraftPolicy(PolicyConfig(k=cfg.k))
-    policy.begin_reply()
-    vmap, greedy = pair.vmap, cfg.temp == 0
-    by_text = greedy and cfg.translation == "text" and not vmap.same_vocab
-    ngrams = None if vmap.same_vocab or (not greedy and cfg.sampling == "exact") else pair.ngrams
-    # Exact sampling drafts only from the vocabulary intersection, renormalized (TLI).
-    draft_mask = None if greedy or ngrams is not None else vmap.draft_to_target >= 0
-    target_eos = set(pair.target_tok.eos_token_ids) | {vmap.target_eos}
-    rng = np.random.default_rng(cfg.seed)
-
-    def draft(logits, hidden, limit):
-        """Up to `limit` draft tokens: ids, their distributions (sampling) and head features."""
-        ids, probs, feats = [], [], []
-        policy.begin_round()
-        for i in range(limit):
-            if greedy:
-                d, q = int(mx.argmax(logits).item()), None
-            else:
-                q = _softmax(logits, cfg.temp)[: len(vmap.draft_to_target)]
-                q = np.where(draft_mask, q, 0.0) if draft_mask is not None else q
-                q = q / q.sum()
-                d = int(rng.choice(len(q), p=q))
-            f = policy.features_of(hidden, logits, d, i) if policy.needs_features else None
-            ids.append(d), probs.append(q), feats.append(f)
-            if d in vmap.draft_eos:
-                break
-            if by_text and vmap.draft_bytes[d] is None:
-                break
-            if not by_text:
-                t = translate_tokens(ids, vmap, ngrams)
-                if t.consumed < len(ids) and not t.open_ngram:
-                    break  # unverifiable: drafting further is wasted
-            # A drafter forward is the price of the next token: pay it only if the policy expects a keeper.
-            if i == limit - 1 or not policy.wants_more(logits, d, f):
-                break
-            logits, hidden = drafter.feed([d])
-            stats.draft_forwards += 1
-        return ids, probs, feats
-
+    target_eos = set(pair.target_tok.eos_token_ids) | {pair.vmap.target_eos}
+    ctx = Context(target_prompt, rng=np.random.default_rng(cfg.seed))
     t_start = time.perf_counter()
-    target_cache = make_prompt_cache(pair.target)
-    prefill(pair.target, target_cache, target_prompt[:-1])
-    drafter = DraftState(pair, draft_prompt, cfg.lookbehind)
-    logits, hidden = drafter.sync(b"", [])
+    target = target_slot or KVSlot.fresh(pair.target)
+    stats.cached_tokens = min(target.common_prefix(target_prompt), len(target_prompt) - 1)
+    target.reuse(pair.target, target_prompt[:-1])
+    scheduler = make_scheduler(pair, draft_prompt, cfg, policy, history, draft_slot, learn_history)
+    scheduler.start(ctx)
     stats.prompt_tokens = len(target_prompt)
     stats.prefill_s = time.perf_counter() - t_start
-    t_gen = time.perf_counter()
-
-    y, committed, text = target_prompt[-1], [], bytearray()
-    while len(committed) < cfg.max_tokens:
-        # 1. Draft, then translate into target tokens.
-        t0, forwards = time.perf_counter(), stats.draft_forwards
-        if stats.rounds:
-            logits, hidden = drafter.sync(bytes(text), committed)
-        draft_ids, probs, feats = draft(logits, hidden, min(policy.max_len, cfg.max_tokens - len(committed)))
-        t1 = time.perf_counter()
-        if by_text:
-            proposal, spans = translate_text(draft_ids, vmap, pair.target_tok), None
-        else:
-            tr = translate_tokens(draft_ids, vmap, ngrams)
-            proposal, spans, draft_ids = tr.target_ids, tr.spans, draft_ids[: tr.consumed]
-        proposal = proposal[: cfg.max_tokens - len(committed) - 1]
-
-        # 2. Verify all proposals in one target forward.
-        t2 = time.perf_counter()
-        out = pair.target(mx.array([y, *proposal])[None], cache=target_cache)[0]
-        if greedy:
-            choice = out.argmax(axis=-1).tolist()
-            n = next((i for i, t in enumerate(proposal) if choice[i] != t), len(proposal))
-            y = choice[n]
-        else:
-            n, y = verify_sampled(pair, out, proposal, spans, probs, draft_ids, cfg, rng)
-        t3 = time.perf_counter()
-        trim_prompt_cache(target_cache, len(proposal) - n)
-
-        # 3. Commit, learn, account.
-        new = [*proposal[:n], y]
-        policy.observe(feats[: len(draft_ids)], drafted_and_kept(vmap, draft_ids, proposal[:n]))
-        for s, e in (spans or [])[:n]:
-            if e - s > 1:
-                ngrams.record_use(tuple(draft_ids[s:e]))
-                stats.ngram_hits += 1
-        stats.rounds += 1
-        stats.proposed += len(proposal)
-        stats.accepted += n
-        stats.drafted += len(draft_ids)
-        why = "all accepted" if n == len(proposal) else "rejected"
-        stats.round_ends[why] = stats.round_ends.get(why, 0) + 1
-        stats.draft_s += t1 - t0
-        stats.verify_s += t3 - t2
-        # Drafter forwards this round: the drafted tokens', after the first round one re-sync.
-        policy.time_round(draft_s=t1 - t0, forwards=stats.draft_forwards - forwards + (stats.rounds > 1),
-                          verify_s=t3 - t2, drafted=len(draft_ids), round_s=t3 - t0, tokens=len(new))
-        stop = next((i for i, t in enumerate(new) if t in target_eos), None)
-        new = new[:stop][: cfg.max_tokens - len(committed)]
-        committed += new
-        for t in new:
-            text += vmap.target_bytes[t] or b""
-        pair.learn_ngrams(new)
-        stats.emitted = len(committed)
-        stats.generate_s = time.perf_counter() - t_gen
-        yield new, [i < n for i in range(len(new))]
-        if stop is not None:
-            break
+    t_gen, y = time.perf_counter(), target_prompt[-1]
+    try:
+        while len(ctx.committed) < cfg.max_tokens:
+            t0, left = time.perf_counter(), cfg.max_tokens - len(ctx.committed)
+            draft = scheduler.propose(ctx, left)
+            draft.tokens = draft.tokens[: left - 1]  # room for the target's own token
+            t1 = time.perf_counter()
+            out = pair.target(mx.array([y, *draft.tokens])[None], cache=target.cache)[0]
+            target.tokens += [y, *draft.tokens]
+            n, y = verify(out, draft, cfg, ctx.rng)
+            t2 = time.perf_counter()
+            target.rewind(len(target.tokens) - len(draft.tokens) + n)
+            new = [*draft.tokens[:n], y]
+            scheduler.settle(draft, n, dict(draft_s=t1 - t0, verify_s=t2 - t1, round_s=t2 - t0, tokens=len(new)))
+            stats.add_round(draft, n, t1 - t0, t2 - t1)
+            stop = next((i for i, t in enumerate(new) if t in target_eos), None)
+            new = new[:stop][: cfg.max_tokens - len(ctx.committed)]
+            ctx.committed += new
+            for t in new:
+                ctx.text += pair.vmap.target_bytes[t] or b""
+            pair.learn_ngrams(new)
+            stats.emitted, stats.generate_s = len(ctx.committed), time.perf_counter() - t_gen
+            yield new, [i < n for i in range(len(new))]
+            if stop is not None:
+                break
+    finally:
+        scheduler.end_reply(ctx)

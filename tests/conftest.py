@@ -1,3 +1,9 @@
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 from mlx_lm import load
 
@@ -6,10 +12,28 @@ from omnidraft_mlx.pair import make_pair
 from tiny_models import build_tiny_models
 
 
+def _built_once(name: str, build) -> Path:
+    """build(dir) -> the models in dir, kept between test sessions under a digest of the code
+    that builds them (training them costs minutes on 2 cores); built aside, then renamed."""
+    digest = hashlib.sha256((Path(__file__).parent / "tiny_models.py").read_bytes()).hexdigest()[:12]
+    root = Path(os.environ.get("OMNIDRAFT_TEST_CACHE", Path.home() / ".cache" / "omnidraft-tests"))
+    done = root / f"{name}-{digest}"
+    if not done.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}-"))
+        build(tmp)
+        try:
+            os.rename(tmp, done)
+        except OSError:  # another session finished first: use its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+    return done
+
+
 @pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory) -> dict:
+def tiny_dirs() -> dict:
     """Paths of the tiny trained models: "draft", "target", "same"."""
-    return build_tiny_models(tmp_path_factory.mktemp("tiny"))
+    root = _built_once("tiny", build_tiny_models)
+    return {name: root / f"tiny-{name}" for name in ("draft", "target", "same")}
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,8 @@ from omnidraft_mlx.distill import make_example
 from omnidraft_mlx.pair import make_pair
 from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, replay_depths, replay_recent
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, drafted_and_kept, speculative_generate
+from omnidraft_mlx.drafter import drafted_and_kept
+from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
 from tiny_models import TEXT
 
 PROMPTS = [TEXT[i : i + 60] for i in range(0, 1800, 150)]

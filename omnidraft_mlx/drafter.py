@@ -1,0 +1,166 @@
+"""The model drafter as a draft source: it drafts in its own vocabulary, and
+its draft is translated into target tokens the target can verify.
+
+The drafter's context is its own tokenization of prompt + accepted text. It
+re-synchronizes lazily, only when it is asked for a draft: rounds drafted by
+another source (a lookup) cost it nothing, and the next sync feeds all the
+text they accepted in one forward.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from omnidraft_mlx.align import byte_ends, spelled_bytes
+from omnidraft_mlx.drafts import Context, Draft, DraftSource
+from omnidraft_mlx.kvcache import KVSlot
+from omnidraft_mlx.pair import Pair
+from omnidraft_mlx.policy import DraftPolicy
+from omnidraft_mlx.translate import complete_utf8, translate_text, translate_tokens
+
+
+def output_head(model):
+    """The model's hidden -> logits projection (tied embeddings or lm_head)."""
+    head = getattr(model, "lm_head", None)
+    return head if head is not None else model.model.embed_tokens.as_linear
+
+
+def softmax(logits: mx.array, temp: float) -> np.ndarray:
+    return np.array(mx.softmax(logits.astype(mx.float32) / temp, axis=-1))
+
+
+class DraftState:
+    """The drafter's KV cache over its own tokenization of prompt + accepted text."""
+
+    def __init__(self, pair: Pair, prompt_ids: list[int], lookbehind: int, slot: KVSlot | None = None):
+        self.pair, self.prompt, self.lookbehind = pair, prompt_ids, lookbehind
+        self.slot = slot or KVSlot.fresh(pair.draft)  # ids in the cache, drafted ones included
+        self.text_ids: list[int] = []  # draft tokenization of the accepted text
+        self.text_ends: list[int] = []  # byte offset where each of those ends
+        self.synced = -1  # accepted tokens the cache was last synced to
+        self.last: tuple[mx.array, mx.array] | None = None  # logits and hidden state after that sync
+        self.forwards = 0  # drafter forwards so far
+
+    def feed(self, ids: list[int]) -> tuple[mx.array, mx.array]:
+        self.forwards += 1
+        hidden = self.slot.extend(self.pair.draft, ids)
+        return output_head(self.pair.draft)(hidden), hidden
+
+    def sync(self, text: bytes, committed: list[int]) -> tuple[mx.array, mx.array]:
+        """Point the drafter at the accepted text; logits (and hidden state) for its next token."""
+        if self.synced == len(committed):
+            return self.last
+        if self.pair.vmap.same_vocab:
+            self.text_ids = list(committed)
+        else:
+            # Re-tokenize a few tokens behind the new text: a merge may cross it.
+            keep = max(0, len(self.text_ids) - self.lookbehind)
+            start = self.text_ends[keep - 1] if keep else 0
+            tail = complete_utf8(text[start:]).decode("utf-8", errors="replace")
+            tail_ids = list(self.pair.draft_tok.encode(tail, add_special_tokens=False)) if tail else []
+            ends = np.cumsum([len(self.pair.vmap.draft_bytes[d] or b"") for d in tail_ids]) + start
+            self.text_ids = self.text_ids[:keep] + tail_ids
+            self.text_ends = self.text_ends[:keep] + ends.tolist()
+        context = self.prompt + self.text_ids
+        self.slot.rewind(min(self.slot.common_prefix(context), len(context) - 1))  # feed >= 1: logits
+        self.synced = len(committed)
+        self.last = self.feed(context[len(self.slot.tokens) :])
+        return self.last
+
+
+def proposal_dist(pair: Pair, probs, draft_ids, span, target_id) -> np.ndarray:
+    """q' over the target vocabulary at one proposed position (paper's Eq. 2 for n-grams)."""
+    q = probs[span[0]]
+    qt = np.bincount(pair.mapped_target, q[pair.mapped_draft], minlength=len(pair.vmap.target_bytes))
+    if span[1] - span[0] > 1:
+        merged = float(np.prod([probs[j][draft_ids[j]] for j in range(*span)]))
+        qt[target_id] += merged
+        first = pair.vmap.draft_to_target[draft_ids[span[0]]]
+        if first >= 0:
+            qt[first] = max(0.0, qt[first] - merged)
+    return qt
+
+
+def drafted_and_kept(vmap, draft_ids: list[int], accepted: list[int]) -> list[bool]:
+    """Per drafted token: is its text within the accepted target tokens? (labels
+    across vocabularies; text that only the target's own next token spells made
+    no token of the draft's kept)"""
+    drafted = spelled_bytes(draft_ids, vmap.draft_bytes)
+    kept = spelled_bytes(accepted, vmap.target_bytes)
+    matched = next((i for i, (a, b) in enumerate(zip(drafted, kept)) if a != b), min(len(drafted), len(kept)))
+    return (byte_ends(draft_ids, vmap.draft_bytes) <= matched).tolist()
+
+
+class DrafterSource(DraftSource):
+    """Drafts with the model drafter, as far as the draft-length policy says."""
+
+    name = "drafter"
+    free = False  # every drafted token costs a drafter forward
+
+    def __init__(self, pair: Pair, draft_prompt: list[int], cfg, policy: DraftPolicy, slot: KVSlot | None = None):
+        self.pair, self.cfg, self.policy = pair, cfg, policy
+        vmap, self.greedy = pair.vmap, cfg.temp == 0
+        self.by_text = self.greedy and cfg.translation == "text" and not vmap.same_vocab
+        exact = not self.greedy and cfg.sampling == "exact"
+        self.ngrams = None if vmap.same_vocab or exact else pair.ngrams
+        # Exact sampling drafts only from the vocabulary intersection, renormalized (TLI).
+        self.draft_mask = None if self.greedy or self.ngrams is not None else vmap.draft_to_target >= 0
+        self.state = DraftState(pair, draft_prompt, cfg.lookbehind, slot)
+        policy.begin_reply()
+
+    def start(self, ctx: Context) -> None:
+        """Prefill the drafter's prompt (timed as prompt processing)."""
+        self.state.sync(bytes(ctx.text), ctx.committed)
+
+    def propose(self, ctx: Context, limit: int) -> Draft:
+        forwards = self.state.forwards
+        logits, hidden = self.state.sync(bytes(ctx.text), ctx.committed)
+        ids, probs, feats = self._draft(logits, hidden, min(limit, self.policy.max_len), ctx.rng)
+        if self.by_text:
+            tokens, spans = translate_text(ids, self.pair.vmap, self.pair.target_tok), None
+        else:
+            tr = translate_tokens(ids, self.pair.vmap, self.ngrams)
+            tokens, spans, ids = tr.target_ids, tr.spans, ids[: tr.consumed]
+
+        def q(n: int, t: int) -> np.ndarray:
+            return proposal_dist(self.pair, probs, ids, spans[n], t)
+
+        def settle(accepted: int, timing: dict) -> None:
+            self.policy.observe(feats[: len(ids)], drafted_and_kept(self.pair.vmap, ids, tokens[:accepted]))
+            for s, e in (spans or [])[:accepted]:
+                if e - s > 1:
+                    self.ngrams.record_use(tuple(ids[s:e]))
+            self.policy.time_round(forwards=self.state.forwards - forwards, drafted=len(ids), **timing)
+
+        return Draft(tokens, self.name, None if self.greedy else q, settle, drafted=len(ids),
+                     forwards=self.state.forwards - forwards, merged=[e - s > 1 for s, e in spans or []])
+
+    def _draft(self, logits, hidden, limit: int, rng):
+        """Up to `limit` draft tokens: ids, their distributions (sampling) and head features."""
+        vmap, policy = self.pair.vmap, self.policy
+        ids, probs, feats = [], [], []
+        policy.begin_round()
+        for i in range(limit):
+            if self.greedy:
+                d, q = int(mx.argmax(logits).item()), None
+            else:
+                q = softmax(logits, self.cfg.temp)[: len(vmap.draft_to_target)]
+                q = np.where(self.draft_mask, q, 0.0) if self.draft_mask is not None else q
+                q = q / q.sum()
+                d = int(rng.choice(len(q), p=q))
+            f = policy.features_of(hidden, logits, d, i) if policy.needs_features else None
+            ids.append(d), probs.append(q), feats.append(f)
+            if d in vmap.draft_eos:
+                break
+            if self.by_text and vmap.draft_bytes[d] is None:
+                break
+            if not self.by_text:
+                t = translate_tokens(ids, vmap, self.ngrams)
+                if t.consumed < len(ids) and not t.open_ngram:
+                    break  # unverifiable: drafting further is wasted
+            # A drafter forward is the price of the next token: pay it only if the policy expects a keeper.
+            if i == limit - 1 or not policy.wants_more(logits, d, f):
+                break
+            logits, hidden = self.state.feed([d])
+        return ids, probs, feats

@@ -1,0 +1,74 @@
+"""What a draft source gives the decode loop, and what it sees.
+
+A draft source proposes target tokens for one round; the target verifies them
+in one forward. Sources: the model drafter (drafter.py), lookups in the
+context and in the user's history (lookup.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass
+class Context:
+    """The decoding so far, as the sources see it."""
+
+    prompt: list[int]  # target ids of the prompt
+    committed: list[int] = field(default_factory=list)  # target ids of the reply so far
+    text: bytearray = field(default_factory=bytearray)  # the reply's bytes
+    rng: np.random.Generator = field(default_factory=np.random.default_rng)
+
+    def tail(self, n: int) -> list[int]:
+        """The last n target ids of prompt + reply."""
+        head = self.prompt[len(self.prompt) - max(0, n - len(self.committed)) :] if n > len(self.committed) else []
+        return head + self.committed[-n:] if n else []
+
+
+def _nothing(accepted: int, timing: dict) -> None:
+    pass
+
+
+@dataclass
+class Draft:
+    """One round's proposal, in target tokens."""
+
+    tokens: list[int]
+    source: str
+    # Sampling: the proposal distribution over the target vocabulary at position n for token t.
+    # None: a point mass on each token (lookups; any greedy draft).
+    q: Callable[[int, int], np.ndarray] | None = None
+    # Learn from the verification: (tokens accepted, the round's times and tokens emitted).
+    settle: Callable[[int, dict], None] = _nothing
+    drafted: int = 0  # drafter tokens behind the proposal
+    forwards: int = 0  # drafter forwards paid for it
+    merged: list[bool] = field(default_factory=list)  # per token: an n-gram cache merge
+
+    def proposal(self, n: int, vocab: int) -> np.ndarray:
+        if self.q is not None:
+            return self.q(n, self.tokens[n])
+        point = np.zeros(vocab)
+        point[self.tokens[n]] = 1.0
+        return point
+
+
+class DraftSource:
+    name = "source"  # rounds are counted under it (a draft may add a detail: "context:3")
+    free = False  # proposing costs no model forward: a draft can be looked at before choosing it
+
+    def start(self, ctx: Context) -> None:
+        """Prompt processing (timed as prefill)."""
+
+    def propose(self, ctx: Context, limit: int) -> Draft | None:
+        """At most `limit` target tokens to verify next, or None."""
+        raise NotImplementedError
+
+    def end_reply(self, ctx: Context) -> None:
+        """The reply is over (interrupted or not): learn from it."""
+
+
+SOURCES = ("drafter", "context", "history")  # the kinds of draft source
+PLAIN = "plain"  # a round without a draft: one plain decoding step through the same loop

@@ -1,0 +1,147 @@
+"""Drafts that cost no model forward: looked up in the context and in history.
+
+Both work in target tokens, so they need no translation and serve any pair.
+- Context lookup (prompt lookup decoding): the longest n-gram ending the text so
+  far (prompt + reply: in chat, the whole conversation) that occurred before
+  proposes what followed its latest occurrence. Code being edited, a passage
+  being quoted, an earlier turn: replies repeat what is on screen.
+- History (after SuffixDecoding): an index over this target's earlier replies,
+  the counts of what followed each n-gram; the most frequent continuation of
+  the reply's tail is proposed, token by token while it stays the clear favourite.
+Drafts are keyed by source and match length ("context:3"): the scheduler
+learns how often each kind holds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.drafts import Context, Draft, DraftSource
+from omnidraft_mlx.learned import deferred_interrupt
+
+
+class ContextLookup(DraftSource):
+    name = "context"
+    free = True
+
+    def __init__(self, max_ngram: int = 4, max_len: int = 8):
+        self.max_ngram, self.max_len = max_ngram, max_len
+        self.seq: list[int] = []
+        self.after: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
+
+    def start(self, ctx: Context) -> None:
+        self._catch_up(ctx)
+
+    def _catch_up(self, ctx: Context) -> None:
+        target = len(ctx.prompt) + len(ctx.committed)
+        while len(self.seq) < target:
+            p = len(self.seq)
+            for n in range(1, min(self.max_ngram, p) + 1):
+                self.after[tuple(self.seq[p - n : p])] = p
+            self.seq.append(ctx.prompt[p] if p < len(ctx.prompt) else ctx.committed[p - len(ctx.prompt)])
+
+    def propose(self, ctx: Context, limit: int) -> Draft | None:
+        self._catch_up(ctx)
+        for n in range(min(self.max_ngram, len(self.seq)), 0, -1):
+            start = self.after.get(tuple(self.seq[-n:]))
+            if start is not None:
+                tokens = self.seq[start : start + min(limit, self.max_len)]
+                return Draft(tokens, f"{self.name}:{n}") if tokens else None
+        return None
+
+
+class HistoryIndex:
+    """Counts of the token that followed each n-gram (orders 1..order) in earlier replies.
+
+    Bounded: past `capacity` n-grams, the least used tenth goes (a use: the
+    n-gram was seen again). A part of the pair's profile
+    (learned.py): it keeps what it learned since it was loaded or saved, so a
+    save merges into what another process saved meanwhile."""
+
+    def __init__(self, order: int = 4, capacity: int = 200_000):
+        self.order, self.capacity = order, capacity
+        self.next: dict[tuple[int, ...], Counter] = {}
+        self.uses: Counter = Counter()
+        self.fresh: list[tuple[list[int], int]] = []  # (ids, start) added since loaded or saved
+
+    def __len__(self) -> int:
+        return len(self.next)
+
+    def add(self, ids: list[int], start: int = 0) -> None:
+        """Count what follows each n-gram at positions start.. of ids (ids before start: context)."""
+        with deferred_interrupt():
+            self._count(ids, start)
+            self.fresh.append((list(ids), start))
+
+    def _count(self, ids: list[int], start: int) -> None:
+        for i in range(max(start, 1), len(ids)):
+            for n in range(1, min(self.order, i) + 1):
+                gram = tuple(ids[i - n : i])
+                self.next.setdefault(gram, Counter())[ids[i]] += 1
+                self.uses[gram] += 1
+        if len(self.next) > self.capacity:
+            self._evict(len(self.next) - self.capacity + self.capacity // 10)
+
+    def _evict(self, n: int) -> None:
+        for gram, _ in sorted(self.uses.items(), key=lambda kv: kv[1])[:n]:
+            del self.next[gram], self.uses[gram]
+
+    def continuation(self, tail: list[int], limit: int, min_share: float = 0.5) -> tuple[list[int], int]:
+        """The most frequent continuation of tail, and the order of its first match (0: none)."""
+        seq, out, first = list(tail), [], 0
+        while len(out) < limit:
+            for n in range(min(self.order, len(seq)), 0, -1):
+                counts = self.next.get(tuple(seq[-n:]))
+                if counts:
+                    break
+            else:
+                break
+            token, count = counts.most_common(1)[0]
+            if out and count < min_share * sum(counts.values()):
+                break  # no clear favourite: stop the draft here
+            first = first or n
+            out.append(token)
+            seq.append(token)
+        return out, first
+
+    def merge(self, other: "HistoryIndex") -> None:
+        """Become `other` (as another process saved it) plus the replies added here since."""
+        with deferred_interrupt():
+            self.next = {g: Counter(c) for g, c in other.next.items()}
+            self.uses = Counter(other.uses)
+            for ids, start in self.fresh:
+                self._count(ids, start)
+
+    def save(self, path: str | Path) -> None:
+        rows = [[list(g), list(c.items()), self.uses[g]] for g, c in self.next.items()]
+        atomic_write_text(path, json.dumps({"order": self.order, "capacity": self.capacity, "entries": rows}))
+        self.fresh = []
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HistoryIndex":
+        data = json.loads(Path(path).read_text())
+        index = cls(data["order"], data["capacity"])
+        for gram, counts, uses in data["entries"]:
+            index.next[tuple(gram)] = Counter(dict(counts))
+            index.uses[tuple(gram)] = uses
+        return index
+
+
+class HistorySource(DraftSource):
+    name = "history"
+    free = True
+
+    def __init__(self, index: HistoryIndex, learn: bool = True, max_len: int = 8):
+        self.index, self.learn, self.max_len = index, learn, max_len
+
+    def propose(self, ctx: Context, limit: int) -> Draft | None:
+        tokens, order = self.index.continuation(ctx.tail(self.index.order), min(limit, self.max_len))
+        return Draft(tokens, f"{self.name}:{order}") if tokens else None
+
+    def end_reply(self, ctx: Context) -> None:
+        """Index the reply (the prompt's last tokens as its first context)."""
+        if self.learn and ctx.committed:
+            self.index.add(ctx.prompt[-self.index.order :] + ctx.committed, start=min(len(ctx.prompt), self.index.order))

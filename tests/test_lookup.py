@@ -1,0 +1,132 @@
+"""Drafts that cost no model forward: context lookup and the history index, the
+scheduler that picks a source (or none) per round, and losslessness with them."""
+
+import json
+
+import pytest
+from mlx_lm import load
+
+import omnidraft_mlx.speculative as spec
+from omnidraft_mlx.bench.sampling_bias import exact_sequence_probs, fit, sample_sequences
+from omnidraft_mlx.drafts import Context
+from omnidraft_mlx.generate import PlainStats, plain_generate
+from omnidraft_mlx.lookup import ContextLookup, HistoryIndex
+from omnidraft_mlx.pair import make_pair
+from omnidraft_mlx.prompts import encode_prompt, user_messages
+from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+
+from tiny_models import build_random_pair
+
+# The reply repeats what the prompt shows: lookups have something to find.
+REPEAT = "def add_7(x):\n    return x + 7\n\ndef add_8(x):\n    return x + 8\n\ndef add_7(x):\n"
+
+
+def test_context_lookup_proposes_what_followed_the_longest_match():
+    lookup = ContextLookup(max_ngram=3, max_len=4)
+    ctx = Context(prompt=[1, 2, 3, 9, 9, 2, 3, 4, 5, 1, 2, 3])
+    draft = lookup.propose(ctx, limit=10)
+    # "1 2 3" occurred at the start, followed by 9 9 2 3; the shorter "2 3" later, followed by 4 5.
+    assert draft.tokens == [9, 9, 2, 3] and draft.source == "context:3"
+    ctx.committed += [9, 9, 7]  # "9 7" is new; "7" never seen: nothing to propose
+    assert lookup.propose(ctx, 10) is None
+    ctx.committed += [1]  # "7 1" unseen, "1" seen last at position 9 (then 2 3 9 9 7)
+    assert lookup.propose(ctx, 3).tokens == [2, 3, 9] and lookup.propose(ctx, 3).source == "context:1"
+
+
+def test_history_index_counts_merges_saves_and_stays_bounded(tmp_path):
+    index = HistoryIndex(order=2, capacity=50)
+    index.add([5, 6, 7, 8])
+    index.add([5, 6, 7, 9])
+    index.add([5, 6, 7, 9])
+    tokens, order = index.continuation([5, 6], limit=4)
+    assert tokens == [7, 9] and order == 2  # 9 followed "6 7" twice, 8 once; nothing follows 9
+    index.save(tmp_path / "h.json")
+    other = HistoryIndex.load(tmp_path / "h.json")
+    index.add([1, 2, 3])  # learned after the save
+    other.add([5, 6, 7, 8])
+    other.add([5, 6, 7, 8])
+    other.save(tmp_path / "h.json")  # another process saved meanwhile
+    index.merge(HistoryIndex.load(tmp_path / "h.json"))
+    assert index.next[(6, 7)] == {8: 3, 9: 2} and index.next[(1, 2)] == {3: 1}
+    for start in range(0, 400, 4):
+        index.add(list(range(start, start + 6)))
+        assert len(index) <= index.capacity
+    assert json.loads((tmp_path / "h.json").read_text())["order"] == 2
+
+
+def decode(pair, prompt, history=None, **cfg):
+    msgs = user_messages(prompt)
+    dp, tp = encode_prompt(pair.draft_tok, msgs, True), encode_prompt(pair.target_tok, msgs, True)
+    stats = SpecStats()
+    out = [t for new, _ in speculative_generate(pair, dp, tp, SpecConfig(**{"max_tokens": 40, **cfg}), stats,
+                                                history=history) for t in new]
+    return out, stats
+
+
+@pytest.mark.parametrize("sources,guard", [("context", False), ("context,history", True),
+                                           ("drafter,context,history", False), ("drafter,context,history", True)])
+def test_greedy_with_lookups_equals_target_greedy(cross, tiny, sources, guard):
+    tm, tt = tiny["target"]
+    history = HistoryIndex()
+    for prompt in [REPEAT, "print(add_3(9))  # four\n", "x"]:
+        ids = encode_prompt(tt, user_messages(prompt), True)
+        plain = list(plain_generate(tm, tt, ids, PlainStats(), max_tokens=40))
+        for _ in range(2):  # the second time, the history holds the first reply
+            out, stats = decode(cross, prompt, history, sources=sources, guard=guard)
+            assert out == plain
+    assert stats.rounds > 0
+
+
+def test_lookup_drafts_are_accepted_where_the_reply_repeats(cross):
+    _, stats = decode(cross, REPEAT, sources="context", guard=False)
+    rounds, proposed, accepted = stats.by_source["context"]
+    assert accepted >= 4 and stats.tokens_per_forward > 1.3
+
+
+@pytest.fixture(scope="module")
+def unrelated(tmp_path_factory):
+    """Untrained models with peaked, unrelated distributions: the drafter is always wrong."""
+    draft, target = build_random_pair(tmp_path_factory.mktemp("rand"))
+    (dm, dt), (tm, tt) = load(str(draft)), load(str(target))
+    return make_pair(dm, dt, tm, tt)
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_guard_decodes_plainly_while_no_source_pays(unrelated, guard):
+    out, stats = decode(unrelated, "x", sources="drafter", guard=guard, k=4, max_tokens=60)
+    drafter_rounds, proposed, accepted = stats.by_source["drafter"]
+    assert accepted == 0 and proposed > 0
+    if guard:  # after one drafter round and one plain, plain wins; the drafter is probed now and then
+        assert stats.by_source["plain"][0] >= 50 and 2 <= drafter_rounds <= 4
+    else:
+        assert "plain" not in stats.by_source
+
+
+LOOKUP_PROMPT = "def add_1(x):\n    return x + 1\n\ndef add_"  # "add_" was followed by "1(x)": lookups propose it
+LENGTH, TEMP, TOP_P, SAMPLES = 3, 1.0, 0.95, 1500
+
+
+@pytest.fixture(scope="module")
+def lookup_setup(tiny):
+    (dm, dt), (tm, tt) = tiny["draft"], tiny["target"]
+    pair = make_pair(dm, dt, tm, tt)
+    tp = encode_prompt(tt, user_messages(LOOKUP_PROMPT), True)
+    eos = set(tt.eos_token_ids) | {pair.vmap.target_eos}
+    return pair, exact_sequence_probs(tm, tp, eos, LENGTH, TEMP, TOP_P)
+
+
+def test_sampling_with_lookup_proposals_matches_target_distribution(lookup_setup):
+    pair, expected = lookup_setup
+    counts, stats = sample_sequences(pair, LOOKUP_PROMPT, "exact", SAMPLES, LENGTH, TEMP, TOP_P, sources="context")
+    pvalue, categories = fit(counts, expected)
+    assert categories >= 5
+    assert 0 < stats.accepted < stats.proposed  # point-mass proposals both accepted and rejected
+    assert pvalue > 1e-3, f"sampling with lookup drafts deviates from the target (p={pvalue:.2g})"
+
+
+def test_biased_lookup_sampler_is_caught(lookup_setup, monkeypatch):
+    """Resampling from p after rejecting a point mass (instead of p without it) is biased: caught."""
+    pair, expected = lookup_setup
+    monkeypatch.setattr(spec, "residual", lambda p, q: p)
+    counts, _ = sample_sequences(pair, LOOKUP_PROMPT, "exact", SAMPLES, LENGTH, TEMP, TOP_P, sources="context")
+    assert fit(counts, expected)[0] < 1e-3
