@@ -166,6 +166,7 @@ def main(argv=None) -> None:
     mx.random.seed(0)  # heads start from the same weights on every run
 
     from omnidraft_mlx.bench.run import BenchConfig, load_pair
+    from omnidraft_mlx.models.pull import model_home
     from omnidraft_mlx.tasks import load_task
     from omnidraft_mlx.profile import load_head
 
@@ -178,7 +179,7 @@ def main(argv=None) -> None:
     def learned(gamma, fit_on=None):
         policy = DraftPolicy(PolicyConfig(name="learned", max_k=args.max_k, gamma=gamma))
         if fit_on is None:
-            load_head(policy, Path(profile["path"]))
+            load_head(policy, model_home() / profile["path"])
         else:
             fit_head(policy, fit_on)
         return policy
