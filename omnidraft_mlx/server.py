@@ -476,7 +476,7 @@ def make_app(engine: Engine) -> FastAPI:
     async def health():
         return {"status": "ok", "model": cfg.target, "draft": cfg.draft, "generating": engine.generating,
                 "queued": engine.queued, "served": engine.served, "cancelled": engine.cancelled,
-                "failed": engine.failed, "profile_saves": engine.saves,
+                "failed": engine.failed, "profile_saves": engine.saves, "ngrams": len(engine.pair.ngrams),
                 "prompt_cache_bytes": engine.prompt_cache.nbytes}
 
     @app.get("/v1/models")

@@ -1,0 +1,274 @@
+"""`omnidraft serve` as its clients see it: the real server process on the tiny pair, over real
+HTTP, with the official `openai` client (and raw httpx requests for what a client should not send)."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from omnidraft_mlx.generate import PlainStats, plain_generate
+from omnidraft_mlx.prompts import encode_prompt
+
+KEY = "test-key"
+START_S = 600  # loading on a busy 2-core machine can take minutes
+
+
+class Server:
+    def __init__(self, tiny_dirs, home, log, *args):
+        with socket.socket() as s:  # a free port
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = dict(os.environ, OMNIDRAFT_HOME=str(home))
+        argv = [sys.executable, "-m", "omnidraft_mlx.cli.main", "serve", "--draft", str(tiny_dirs["draft"]),
+                "--target", str(tiny_dirs["target"]), "--port", str(self.port), *args]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_S
+        while True:
+            assert self.proc.poll() is None, f"the server exited:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=30).json()
+
+    def idle(self, timeout: float = 120) -> dict:
+        """/health once nothing is generating or queued."""
+        deadline = time.monotonic() + timeout
+        while (h := self.health())["generating"] or h["queued"]:
+            assert time.monotonic() < deadline, h
+            time.sleep(0.2)
+        return h
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    srv = Server(tiny_dirs, root / "home", root / "server.log", "--api-key", KEY, "--max-tokens", "32")
+    yield srv
+    srv.stop()
+    assert srv.proc.returncode == 0, srv.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    """The one model the server lists: the target."""
+    (listed,) = client.models.list().data
+    return listed.id
+
+
+def greedy(tiny, prompt_ids, max_tokens):
+    """The target's own greedy reply: (ids, text)."""
+    model, tok = tiny["target"]
+    ids = list(plain_generate(model, tok, prompt_ids, PlainStats(), max_tokens=max_tokens))
+    return ids, tok.decode(ids)
+
+
+def chat_greedy(tiny, messages, max_tokens):
+    return greedy(tiny, encode_prompt(tiny["target"][1], messages), max_tokens)
+
+
+def test_openai_client_gets_the_targets_greedy_reply(client, model, tiny, tiny_dirs):
+    assert model == str(tiny_dirs["target"])
+    messages = [{"role": "user", "content": "def add_3(x):"}]
+    ids, text = chat_greedy(tiny, messages, 24)
+
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=24)
+    assert reply.choices[0].message.content == text
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == len(ids) == 24
+    assert reply.usage.prompt_tokens == len(encode_prompt(tiny["target"][1], messages))
+    spec = reply.usage.speculative  # the extra field: what the drafter did
+    assert spec["proposed"] >= spec["accepted"] >= 0 and spec["target_forwards"] >= 1
+    assert spec["tokens_per_target_forward"] == pytest.approx(24 / spec["target_forwards"], abs=1e-3)
+
+    stream = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=24, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.speculative["proposed"] > 0
+
+    tok = tiny["target"][1]
+    ids, text = greedy(tiny, list(tok.encode("def add_5(x):")), 16)
+    done = client.completions.create(model=model, prompt="def add_5(x):", max_tokens=16)
+    assert done.choices[0].text == text
+    streamed = client.completions.create(model=model, prompt="def add_5(x):", max_tokens=16, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text
+
+
+def test_stop_strings_cut_the_reply(client, model, tiny):
+    messages = [{"role": "user", "content": "print(add_"}]
+    _, text = chat_greedy(tiny, messages, 32)
+    stop = text.strip()[3:6]  # somewhere inside the reply
+    reply = client.chat.completions.create(model=model, messages=messages, stop=[stop])
+    assert reply.choices[0].message.content == text[: text.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model=model, messages=messages, stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text[: text.index(stop)]
+
+
+def test_a_repeated_prompt_is_served_from_the_cache(client, model):
+    system = "You are a terse Python assistant. " + " ".join(f"Rule {i}: name things plainly." for i in range(40))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "def add_9(x):"}]
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=8)
+    again = client.chat.completions.create(model=model, messages=messages, max_tokens=8)
+    assert first.usage.prompt_tokens > 300
+    assert first.usage.prompt_tokens_details.cached_tokens < 5  # the template's opening, shared with earlier requests
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.usage.speculative["draft_cached_tokens"] > 300
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def error_of(response, status):
+    assert response.status_code == status, response.text
+    err = response.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "Traceback" not in err["message"]
+    return err
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client):
+    url, auth = server.url + "/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    ok = {"messages": [{"role": "user", "content": "def add_3(x):"}], "max_tokens": 4}
+    post = lambda body, **kw: httpx.post(url, headers=kw.get("headers", auth), timeout=60,  # noqa: E731
+                                         **({"content": body} if isinstance(body, str) else {"json": body}))
+
+    assert "not valid JSON" in error_of(post('{"messages": [{"role": "user"'), 400)["message"]
+    assert error_of(post({**ok, "temperature": 5}), 400)["param"] == "temperature"
+    assert error_of(post({**ok, "top_p": 0}), 400)["param"] == "top_p"
+    assert error_of(post({**ok, "max_tokens": 0}), 400)["param"] == "max_tokens"
+    assert error_of(post({"messages": []}), 400)["param"] == "messages"
+    assert error_of(post({**ok, "messages": [{"role": "robot", "content": "hi"}]}), 400)["param"] == "messages.0.role"
+    assert "empty prompt" in error_of(post({**ok, "messages": [{"role": "user", "content": ""}]}), 400)["message"]
+    assert error_of(post({**ok, "model": "gpt-4"}), 404)["code"] == "model_not_found"
+    long = {**ok, "messages": [{"role": "user", "content": "def add_3(x): " * 1500}]}
+    err = error_of(post(long), 400)
+    assert err["code"] == "context_length_exceeded" and "context is 2048 tokens" in err["message"]
+    assert error_of(post(ok, headers={}), 401)["code"] == "invalid_api_key"
+    assert error_of(post(ok, headers={"Authorization": "Bearer wrong"}), 401)["code"] == "invalid_api_key"
+    assert error_of(httpx.get(server.url + "/v1/nothing", headers=auth), 404)
+
+    # Still serving, the good request as before.
+    assert post(ok).json()["usage"]["completion_tokens"] == 4
+    assert server.health()["failed"] == 0  # none of those reached the engine as a failure
+
+
+def test_concurrent_clients_are_all_served_and_a_disconnect_stops_its_generation(server, client, model, tiny):
+    before = server.idle()
+    prompts = ["def add_3(x):", "print(add_", "def add_7(x):", "print(add_7(21))"]
+    expected = {p: chat_greedy(tiny, [{"role": "user", "content": p}], 20)[1] for p in prompts}
+    got, errors = {}, []
+
+    def ask(prompt):
+        try:
+            stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                    max_tokens=20, stream=True)
+            got[prompt] = "".join(c.choices[0].delta.content or "" for c in stream)
+        except Exception as e:  # reported below, with the others
+            errors.append(e)
+
+    # One client starts a long reply and goes away after its first tokens.
+    long = {"messages": [{"role": "user", "content": "def add_1(x):"}], "max_tokens": 1900, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=long, timeout=300,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for line in lines:
+            if '"content": "' in line:
+                break
+    for t in threads:
+        t.join(300)
+    assert not errors and got == expected
+    after = server.idle()
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["served"] == before["served"] + len(prompts) + 1 and after["failed"] == 0
+
+
+def test_only_health_goes_without_the_key(server, model):
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert [m["id"] for m in models["data"]] == [model]
+
+
+def test_kill_9_while_serving_and_saving_leaves_a_profile_that_loads(tiny_dirs, tmp_path, monkeypatch):
+    """Drafter updates after every reply, the n-grams and acceptance head saved whenever the
+    queue empties; kill -9 at random moments, then load the profile each time."""
+    from mlx_lm import load
+
+    from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
+    from omnidraft_mlx.profile import load_profile, profile_dir
+
+    home, rng = tmp_path / "home", random.Random(0)
+    prompts = ["print(add_", "def add_3(x):", "def add_{}(x):"]
+    saved_before = 0
+    for attempt in range(3):
+        srv = Server(tiny_dirs, home, tmp_path / f"server-{attempt}.log", "--adapt-every", "1", "--max-tokens", "24")
+        stop = threading.Event()
+
+        def traffic():
+            with OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
+                for i in range(1000):
+                    if stop.is_set():
+                        return
+                    try:
+                        c.chat.completions.create(model=str(tiny_dirs["target"]),
+                                                  messages=[{"role": "user", "content": prompts[i % 3].format(i)}])
+                    except Exception:  # the kill lands mid-request
+                        return
+                    time.sleep(rng.uniform(0.0, 0.6))  # idle moments: saves and updates happen then
+
+        t = threading.Thread(target=traffic)
+        t.start()
+        deadline = time.monotonic() + 120
+        while srv.health()["profile_saves"] < 1 + attempt:  # some saves behind it, then a random moment
+            assert time.monotonic() < deadline, srv.log.read_text()
+            time.sleep(0.2)
+        time.sleep(rng.uniform(0.0, 2.0))
+        srv.proc.kill()  # SIGKILL: no handler runs, a save in flight is cut short
+        srv.proc.wait()
+        stop.set()
+        t.join(60)
+
+        monkeypatch.setenv("OMNIDRAFT_HOME", str(home))
+        path = profile_dir(str(tiny_dirs["draft"]), str(tiny_dirs["target"]))
+        draft_model, _ = load(str(tiny_dirs["draft"]))
+        profile = load_profile(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), draft_model, trainable=True)
+        profile.attach_policy(DraftPolicy(PolicyConfig(name="learned")))
+        manifest = json.loads((path / "manifest.json").read_text())
+        assert all((path / f).exists() for f in manifest["files"].values())
+        assert profile.updates >= saved_before
+        saved_before = profile.updates
+    assert len(profile.ngrams) > 0 and profile.updates > 0  # the n-grams and the drafter updates were saved
