@@ -34,24 +34,30 @@ def list_models():
     from omnidraft_mlx.models.pull import local_state, model_home
 
     table = Table(title=f"models in {model_home()}")
-    for col in ("name", "role", "state", "size", "description"):
+    for col in ("name", "role", "state", "dtype", "size", "description"):
         table.add_column(col)
     roles = {DEFAULT_DRAFT: "default drafter", DEFAULT_TARGET: "default target"}
     for row in local_state():
         state = {"ready": "[green]ready[/]", "not pulled": "[dim]not pulled[/]"}.get(row["status"], row["status"])
         table.add_row(
             row["name"], roles.get(row["name"], "" if row["catalog"] else _origin(row)), state,
-            _human(row["size"]) if row["size"] else "-", row["description"],
+            row["dtype"] if row["status"] == "ready" else "-", _human(row["size"]) if row["size"] else "-", row["description"],
         )
     Console().print(table)
 
 
 @app.command()
-def pull(name: str = typer.Argument(..., help="catalog model name, e.g. smollm2-135m")):
+def pull(
+    name: str = typer.Argument(..., help="catalog model name, e.g. smollm2-135m"),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="float32|float16|bfloat16|q8|q4 (default: float32 on Linux, float16 on a Mac); "
+        "other than the default, the model is named NAME-DTYPE",
+    ),
+):
     """Download, verify (sha256) and convert a catalog model."""
     from omnidraft_mlx.models.pull import pull as pull_model
 
-    typer.echo(str(pull_model(name, progress=True)))
+    typer.echo(str(pull_model(name, progress=True, dtype=dtype)))
 
 
 @app.command("import")

@@ -76,5 +76,24 @@ CATALOG = {
     ]
 }
 
+# Weight formats a catalog model is pulled in; q8/q4 are mlx-lm's quantization of the float model.
+DTYPES = ("float32", "float16", "bfloat16", "q8", "q4")
+QUANT_BITS = {"q8": 8, "q4": 4}
+
+
+def local_name(name: str, dtype: str, default: str) -> str:
+    """A catalog model's local name in one dtype: the plain name for the platform's default."""
+    return name if dtype == default else f"{name}-{dtype}"
+
+
+def split_dtype(local: str) -> tuple[str, str] | None:
+    """(catalog name, dtype) for a local name like "gemma-3-270m-q4"; None for anything else."""
+    for dtype in DTYPES:
+        base = local.removesuffix(f"-{dtype}")
+        if base != local and base in CATALOG:
+            return base, dtype
+    return None
+
+
 DEFAULT_DRAFT = "smollm2-135m"
 DEFAULT_TARGET = "qwen2.5-coder-0.5b"

@@ -58,6 +58,42 @@ def default_dtype() -> str:
     return "float16" if platform.system() == "Darwin" else "float32"
 
 
+def convert_dir(src: Path, out_dir: Path, dtype: str, group_size: int = 64) -> Path:
+    """An MLX model directory in another dtype: float32/float16/bfloat16 cast the
+    float weights, q8/q4 quantize with mlx-lm's own quantization (the
+    mlx-community format: QuantizedLinear/QuantizedEmbedding with scales and
+    biases). Tokenizer files and the conversion record are copied along."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    from omnidraft_mlx.models.catalog import DTYPES, QUANT_BITS
+
+    if dtype not in DTYPES:
+        raise OmniDraftError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
+    src, out_dir = Path(src), Path(out_dir)
+    model, config = load_model(src, lazy=True)
+    if "quantization" in config:
+        raise OmniDraftError(f"{src} is already quantized: convert from a float model")
+    if dtype in QUANT_BITS:
+        model, config = quantize_model(model, config, group_size, QUANT_BITS[dtype])
+    else:
+        to = getattr(mx, dtype)
+        model.update(tree_map(lambda v: v.astype(to) if mx.issubdtype(v.dtype, mx.floating) else v,
+                              model.parameters()))
+        config["torch_dtype"] = dtype
+    with staged_dir(out_dir) as tmp:
+        for f in src.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", INFO_FILE):
+                shutil.copy(f, tmp / f.name)
+        save_model(tmp, model, donate_model=True)
+        save_config(config, tmp / "config.json")
+        info = json.loads((src / INFO_FILE).read_text()) if (src / INFO_FILE).is_file() else {}
+        info.update(dtype=dtype, converted_from=src.name)
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2))
+    return out_dir
+
+
 def sha256_file(path, chunk=1 << 24) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

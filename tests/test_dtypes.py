@@ -1,0 +1,141 @@
+"""Every weight format a Mac user runs: tiny models converted in the test to
+float16, bfloat16 and 4-bit (mlx-lm's quantization), as drafter and target:
+greedy output equals the target's own, exact sampling keeps its distribution,
+adaptation stays finite and learns, profiles save and load."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm import load
+
+from omnidraft_mlx.distill import DistillConfig, Distiller, make_example, setup_trainable
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.generate import PlainStats, plain_generate
+from omnidraft_mlx.models.convert import convert_dir
+from omnidraft_mlx.pair import make_pair
+from omnidraft_mlx.profile import Profile, load_profile
+from omnidraft_mlx.prompts import encode_prompt, user_messages
+from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+
+from tiny_models import TEXT, corpus, train_tokenizer, write_model
+
+PROMPTS = ["def add_7(x):\n    return x + 7\n\nprint(add_7(21))  # two\n\ndef add_1", "print(add_3(9))  # four\n"]
+DTYPES = ["float32", "float16", "bfloat16", "q4", "q8"]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, tiny_dirs):
+    """Model dirs per (role, dtype): the tiny target and a 64-wide tiny drafter
+    (4-bit groups of 32 need widths divisible by 32), converted by convert_dir."""
+    root = tmp_path_factory.mktemp("dtypes")
+    draft = write_model(root / "draft", train_tokenizer(corpus("draft"), 420), 64, 2, seed=7,
+                        train_text=TEXT, train_steps=200)
+    out = {}
+    for role, src in (("draft", draft), ("target", tiny_dirs["target"])):
+        out[role, "float32"] = src
+        for dtype in DTYPES[1:]:
+            out[role, dtype] = convert_dir(src, root / f"{role}-{dtype}", dtype, group_size=32)
+    return out
+
+
+_loaded = {}
+
+
+def model(dirs, role, dtype):
+    if (role, dtype) not in _loaded:
+        _loaded[role, dtype] = load(str(dirs[role, dtype]))
+    return _loaded[role, dtype]
+
+
+def check_format(m, dtype):
+    kinds = {type(x) for _, x in m.named_modules()}
+    if dtype.startswith("q"):
+        assert nn.QuantizedLinear in kinds and nn.QuantizedEmbedding in kinds and nn.Linear not in kinds
+    else:
+        assert m.model.layers[0].self_attn.q_proj.weight.dtype == getattr(mx, dtype)
+
+
+@pytest.mark.parametrize("target_dtype", ["float32", "float16", "q4"])
+@pytest.mark.parametrize("draft_dtype", ["float32", "float16", "q4"])
+def test_greedy_lossless_matrix(dirs, draft_dtype, target_dtype):
+    (dm, dt), (tm, tt) = model(dirs, "draft", draft_dtype), model(dirs, "target", target_dtype)
+    check_format(dm, draft_dtype)
+    check_format(tm, target_dtype)
+    pair = make_pair(dm, dt, tm, tt)
+    accepted = rejected = 0
+    for prompt in PROMPTS:
+        dp, tp = dt.encode(prompt), tt.encode(prompt)
+        stats = SpecStats()
+        out = [t for new, _ in speculative_generate(pair, dp, tp, SpecConfig(k=3, max_tokens=32), stats) for t in new]
+        assert out == list(plain_generate(tm, tt, tp, PlainStats(), max_tokens=32))
+        accepted += stats.accepted
+        rejected += stats.proposed - stats.accepted
+    assert accepted > 0 and rejected > 0
+
+
+def test_bfloat16_and_q8_decode_losslessly(dirs):
+    (dm, dt), (tm, tt) = model(dirs, "draft", "q8"), model(dirs, "target", "bfloat16")
+    check_format(dm, "q8")
+    check_format(tm, "bfloat16")
+    pair = make_pair(dm, dt, tm, tt)
+    tp = tt.encode(PROMPTS[0])
+    out = [t for new, _ in speculative_generate(pair, dt.encode(PROMPTS[0]), tp, SpecConfig(k=3, max_tokens=32),
+                                                SpecStats()) for t in new]
+    assert out == list(plain_generate(tm, tt, tp, PlainStats(), max_tokens=32))
+
+
+@pytest.mark.parametrize("draft_dtype", ["float16", "q4"])
+def test_adaptation_update_is_finite_and_learns(dirs, tmp_path, draft_dtype):
+    dm, dt = load(str(dirs["draft", draft_dtype]))  # a private copy: training changes it
+    tm, tt = model(dirs, "target", "float16")
+    cfg = DistillConfig(lora_rank=4, lr=1e-2, steps=2)
+    setup_trainable(dm, cfg)
+    pair = make_pair(dm, dt, tm, tt)
+    examples = []
+    for prompt in PROMPTS:
+        tp = encode_prompt(tt, user_messages(prompt))
+        reply = list(plain_generate(tm, tt, tp, PlainStats(), max_tokens=24))
+        examples.append(make_example(pair, encode_prompt(dt, user_messages(prompt)), tp, reply))
+    first, second = Distiller(pair, cfg).steps(examples)
+    assert np.isfinite(first.loss) and np.isfinite(second.loss) and first.kl > 0
+    assert second.loss < first.loss
+
+    # The adapter goes into the pair's profile and comes back onto a fresh drafter of that dtype.
+    profile = Profile(tmp_path / "prof", str(dirs["draft", draft_dtype]), str(dirs["target", "float16"]), pair.ngrams)
+    profile.save(dm, distill=cfg.__dict__, corpus="c", position=1)
+    fresh, _ = load(str(dirs["draft", draft_dtype]))
+    x = mx.array([encode_prompt(dt, user_messages(PROMPTS[0]))])
+    base = np.array(fresh(x).astype(mx.float32))
+    load_profile(profile.draft, profile.target, fresh, path=profile.path)
+    trained = np.array(dm(x).astype(mx.float32))
+    np.testing.assert_allclose(np.array(fresh(x).astype(mx.float32)), trained, atol=0.05)
+    assert np.abs(base - trained).max() > 0.1
+
+
+def test_quantized_drafter_trains_only_through_lora(dirs):
+    dm, _ = load(str(dirs["draft", "q4"]))
+    with pytest.raises(OmniDraftError, match="LoRA"):
+        setup_trainable(dm, DistillConfig(lora_rank=0))
+
+
+def test_exact_sampling_in_float16(dirs, tiny):
+    """tests/test_sampling.py's chi-square, both models in float16."""
+    from omnidraft_mlx.bench.sampling_bias import exact_sequence_probs, fit, sample_sequences
+    from test_sampling import LENGTH, PROMPT, SAMPLES, TEMP, TOP_P
+
+    (dm, dt), (tm, tt) = load(str(dirs["draft", "float16"])), model(dirs, "target", "float16")
+    pair = make_pair(dm, dt, tm, tt)
+    tp = encode_prompt(tt, user_messages(PROMPT), True)
+    expected = exact_sequence_probs(tm, tp, set(tt.eos_token_ids) | {pair.vmap.target_eos}, LENGTH, TEMP, TOP_P)
+    counts, stats = sample_sequences(pair, PROMPT, "exact", SAMPLES, LENGTH, TEMP, TOP_P)
+    pvalue, categories = fit(counts, expected)
+    assert categories >= 5 and 0 < stats.accepted < stats.proposed
+    assert pvalue > 1e-3, f"float16 exact sampling deviates from the target (p={pvalue:.2g})"
+
+
+def test_convert_refuses_bad_input(dirs, tmp_path):
+    with pytest.raises(OmniDraftError, match="unknown dtype"):
+        convert_dir(dirs["target", "float32"], tmp_path / "x", "int3")
+    with pytest.raises(OmniDraftError, match="already quantized"):
+        convert_dir(dirs["target", "q4"], tmp_path / "y", "q8")
