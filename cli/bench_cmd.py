@@ -25,15 +25,61 @@ def _integers(text: str, what: str) -> list[int]:
     return values
 
 
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise OmniDraftError(f"--guard takes on, off or on,off (got '{text}')")
+    return text == "on"
+
+
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(name.rstrip("/")).name)
 
 
+class _LogLines:
+    """Progress as one plain stderr line per finished run (a log file gets no bar)."""
+
+    def __init__(self):
+        self.total = self.done = 0
+        self.what, self.start = "", 0.0
+
+    def __enter__(self):
+        import time
+
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_task(self, description: str, total: int = 0) -> int:
+        self.what, self.total = description, total
+        return 0
+
+    def update(self, task: int, description: str = "") -> None:
+        self.what = description or self.what
+
+    def advance(self, task: int, n: int = 1) -> None:
+        import sys
+        import time
+
+        self.done += n
+        print(f"bench {self.done}/{self.total}: {self.what} done ({time.perf_counter() - self.start:.0f} s)",
+              file=sys.stderr, flush=True)
+
+
 def _progress():
+    import sys
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from omnidraft_mlx.cli.main import err_console
 
+    if not sys.stderr.isatty():
+        return _LogLines()
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), console=err_console, transient=False)
 
@@ -41,7 +87,12 @@ def _progress():
 def bench(
     draft: str = typer.Option(DEFAULT_DRAFT, "--draft", "-d", help="Drafter: catalog name, directory, .gguf or hub id."),
     target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help="Target: catalog name, directory, .gguf or hub id."),
-    task: str = typer.Option("all", "--task", help="code, math, chat or all."),
+    task: Optional[str] = typer.Option(None, "--task", help="code, math, chat, edit, multiturn, comma-separated, or all (the default, unless --prompts-file is given)."),
+    source: str = typer.Option("drafter", "--source", help="Method families, comma-separated: drafter (the model drafter alone), lookup (context and history lookups alone), fused (both, picked per round)."),
+    guard: str = typer.Option("on", "--guard", help="lookup and fused methods: on, off (suffix -noguard) or on,off."),
+    prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="Also your own prompts: JSONL, {\"prompt\": ...} or {\"messages\": [...]} per line (task \"file\")."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature for every method, plain included (0 = greedy; outputs then compared by distribution, not identity)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed for sampled runs."),
     k: str = typer.Option("3,4,5", "--k", "-k", help="Draft lengths to compare, comma-separated."),
     translation: str = typer.Option("text", "--translation", help="Draft translation(s): text, tokens or text,tokens."),
     policy: str = typer.Option("", "--policy", help="Adaptive draft-length policies to add: confidence,heuristic,learned; oracle (knows the reply: the bound for any policy)."),
@@ -63,7 +114,6 @@ def bench(
     the profile of the pair is read but never written.
     """
     from omnidraft_mlx.atomic import atomic_write_text
-    from omnidraft_mlx.tasks import TASKS
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
 
@@ -88,11 +138,13 @@ def bench(
         return
 
     from omnidraft_mlx.bench.report import write_results
-    from omnidraft_mlx.bench.run import BenchConfig, run_bench
+    from omnidraft_mlx.bench.run import BENCH_TASKS, BenchConfig, run_bench
     from omnidraft_mlx.policy import parse_gamma
 
     cfg = BenchConfig(
-        draft=draft, target=target, tasks=list(TASKS) if task == "all" else [task],
+        draft=draft, target=target, tasks=list(BENCH_TASKS) if (task or ("" if prompts_file else "all")) == "all" else _names(task or ""),
+        sources=_names(source), guards=[_on_off(g) for g in _names(guard)], temp=temp, seed=seed,
+        prompts_file=str(prompts_file) if prompts_file else None,
         ks=_integers(k, "--k"), translations=[t.strip() for t in translation.split(",") if t.strip()],
         prompts=prompts or (QUICK_PROMPTS if quick else 6),
         max_tokens=max_tokens or (QUICK_TOKENS if quick else 96),
