@@ -2,12 +2,7 @@
 HTTP, with the official `openai` client (and raw httpx requests for what a client should not send)."""
 
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -15,63 +10,32 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from omnidraft_mlx.bench.load_test import ServerProcess, main as load_test
 from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.prompts import encode_prompt
 
 KEY = "test-key"
-START_S = 600  # loading on a busy 2-core machine can take minutes
 
 
-class Server:
-    def __init__(self, tiny_dirs, home, log, *args):
-        with socket.socket() as s:  # a free port
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        env = dict(os.environ, OMNIDRAFT_HOME=str(home))
-        argv = [sys.executable, "-m", "omnidraft_mlx.cli.main", "serve", "--draft", str(tiny_dirs["draft"]),
-                "--target", str(tiny_dirs["target"]), "--port", str(self.port), *args]
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_S
-        while True:
-            assert self.proc.poll() is None, f"the server exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
+def start(tiny_dirs, home, log, *args) -> ServerProcess:
+    return ServerProcess(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), log, *args, env={"OMNIDRAFT_HOME": str(home)})
 
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=30).json()
 
-    def idle(self, timeout: float = 120) -> dict:
-        """/health once nothing is generating or queued."""
-        deadline = time.monotonic() + timeout
-        while (h := self.health())["generating"] or h["queued"]:
-            assert time.monotonic() < deadline, h
-            time.sleep(0.2)
-        return h
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def idle(server, timeout: float = 120) -> dict:
+    """/health once nothing is generating or queued."""
+    deadline = time.monotonic() + timeout
+    while (h := server.health())["generating"] or h["queued"]:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.2)
+    return h
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    srv = Server(tiny_dirs, root / "home", root / "server.log", "--api-key", KEY, "--max-tokens", "32")
+    srv = start(tiny_dirs, root / "home", root / "server.log", "--api-key", KEY, "--max-tokens", "32")
     yield srv
-    srv.stop()
-    assert srv.proc.returncode == 0, srv.log.read_text()
+    assert srv.stop() == 0, srv.log.read_text()  # Ctrl-C: a clean exit
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +147,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
 
 
 def test_concurrent_clients_are_all_served_and_a_disconnect_stops_its_generation(server, client, model, tiny):
-    before = server.idle()
+    before = idle(server)
     prompts = ["def add_3(x):", "print(add_", "def add_7(x):", "print(add_7(21))"]
     expected = {p: chat_greedy(tiny, [{"role": "user", "content": p}], 20)[1] for p in prompts}
     got, errors = {}, []
@@ -211,7 +175,7 @@ def test_concurrent_clients_are_all_served_and_a_disconnect_stops_its_generation
     for t in threads:
         t.join(300)
     assert not errors and got == expected
-    after = server.idle()
+    after = idle(server)
     assert after["cancelled"] == before["cancelled"] + 1
     assert after["served"] == before["served"] + len(prompts) + 1 and after["failed"] == 0
 
@@ -235,7 +199,7 @@ def test_kill_9_while_serving_and_saving_leaves_a_profile_that_loads(tiny_dirs, 
     prompts = ["print(add_", "def add_3(x):", "def add_{}(x):"]
     saved_before = 0
     for attempt in range(3):
-        srv = Server(tiny_dirs, home, tmp_path / f"server-{attempt}.log", "--adapt-every", "1", "--max-tokens", "24")
+        srv = start(tiny_dirs, home, tmp_path / f"server-{attempt}.log", "--adapt-every", "1", "--max-tokens", "24")
         stop = threading.Event()
 
         def traffic():
@@ -272,3 +236,11 @@ def test_kill_9_while_serving_and_saving_leaves_a_profile_that_loads(tiny_dirs, 
         assert profile.updates >= saved_before
         saved_before = profile.updates
     assert len(profile.ngrams) > 0 and profile.updates > 0  # the n-grams and the drafter updates were saved
+
+
+def test_the_load_test_runs_on_the_tiny_pair(tiny_dirs, tmp_path):
+    load_test(["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--clients", "3",
+               "--requests", "2", "--max-tokens", "16", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "load_test.json").read_text())
+    assert result["requests"] == result["complete"] == result["equal_to_plain"] == 6
+    assert result["latency_s"]["request"]["n"] == 6 and result["throughput"]["completion_tokens"] > 0

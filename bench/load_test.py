@@ -1,0 +1,227 @@
+"""A bounded load test of `omnidraft serve`: concurrent streaming clients over real HTTP.
+
+    python -m omnidraft_mlx.bench.load_test --out bench/results/serve-load
+
+Starts the server in its own process on a free port of 127.0.0.1 (with
+--no-profile: the run neither reads nor changes the pair's profile; otherwise
+as a user runs it), then --clients clients, each sending --requests streaming
+greedy chat requests one after another (the chat task's prompts, in order,
+each client its own), with the official `openai` client. The server queues
+them (one generation at a time), so a request's latency includes its wait.
+After the server has stopped (so that both do not share the CPU), the target
+decodes every prompt plainly in this process. Checks: every reply complete
+(a finish reason, usage, `data: [DONE]`) and equal to plain greedy decoding.
+Reports latency percentiles (time to first token, whole request), throughput
+(completion tokens and requests per second of wall time) and the drafter's
+acceptance to load_test.json under --out; exits non-zero when a reply was lost
+or differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+
+
+class ServerProcess:
+    """`omnidraft serve` in a child process on a free local port; ready once /health answers."""
+
+    def __init__(self, draft: str, target: str, log: Path, *args: str, env: dict | None = None,
+                 start_s: float = 600):
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(log)
+        argv = [sys.executable, "-m", "omnidraft_mlx.cli.main", "serve", "--draft", draft, "--target", target,
+                "--port", str(self.port), *args]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + start_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited:\n{self.log.read_text()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start in {start_s:.0f}s:\n{self.log.read_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.5)
+
+    def health(self) -> dict:
+        import httpx
+
+        return httpx.get(self.url + "/health", timeout=30).json()
+
+    def stop(self) -> int:
+        """Ctrl-C (the server saves what it learned and exits); its exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+@dataclass
+class Request:
+    client: int
+    prompt_id: str
+    messages: list[dict]
+    text: str = ""
+    finish_reason: str | None = None
+    done: bool = False  # the stream ended with data: [DONE]
+    usage: dict | None = None
+    error: str | None = None
+    start_s: float = 0.0  # from the start of the run
+    first_token_s: float | None = None  # after start_s
+    total_s: float | None = None
+
+
+def run_client(url: str, model: str, requests: list[Request], max_tokens: int, t0: float) -> None:
+    """One client: its requests one after another, each streamed."""
+    from openai import OpenAI
+
+    with OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600) as client:
+        for r in requests:
+            r.start_s = time.perf_counter() - t0
+            try:
+                stream = client.chat.completions.create(model=model, messages=r.messages, max_tokens=max_tokens,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True})
+                for chunk in stream:
+                    if chunk.usage is not None:
+                        r.usage = chunk.usage.model_dump()
+                    if not chunk.choices:
+                        continue
+                    piece = chunk.choices[0].delta.content or ""
+                    if piece and r.first_token_s is None:
+                        r.first_token_s = time.perf_counter() - t0 - r.start_s
+                    r.text += piece
+                    r.finish_reason = chunk.choices[0].finish_reason or r.finish_reason
+                r.done = True  # the client's stream returns only after data: [DONE]
+            except Exception as e:  # recorded: a lost reply is a result
+                r.error = f"{type(e).__name__}: {e}"
+            r.total_s = time.perf_counter() - t0 - r.start_s
+
+
+def plain_replies(target: str, requests: list[Request], max_tokens: int) -> dict[str, str]:
+    """The target's own greedy reply to each prompt (mlx-lm's generate_step)."""
+    from omnidraft_mlx.generate import PlainStats, plain_generate
+    from omnidraft_mlx.loading import load_model
+    from omnidraft_mlx.prompts import encode_prompt
+
+    model, tok = load_model(target)
+    out = {}
+    for r in requests:
+        if r.prompt_id not in out:
+            ids = plain_generate(model, tok, encode_prompt(tok, r.messages), PlainStats(), max_tokens=max_tokens)
+            out[r.prompt_id] = tok.decode(list(ids))
+    return out
+
+
+def percentiles(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    p = np.percentile(values, [50, 90, 99])
+    return {"p50": float(p[0]), "p90": float(p[1]), "p99": float(p[2]), "max": float(max(values)), "n": len(values)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", default=DEFAULT_DRAFT)
+    ap.add_argument("--target", default=DEFAULT_TARGET)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=4, help="requests per client, one after another")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/serve-load"))
+    args = ap.parse_args(argv)
+    if min(args.clients, args.requests, args.max_tokens) < 1:
+        raise SystemExit("--clients, --requests and --max-tokens must be at least 1")
+
+    from omnidraft_mlx.bench.run import environment_base
+    from omnidraft_mlx.tasks import load_task
+
+    prompts = load_task("chat", "heldout") + load_task("chat", "adapt")
+    total = args.clients * args.requests
+    requests = [Request(i % args.clients, p.id, p.messages())
+                for i, p in enumerate(prompts[j % len(prompts)] for j in range(total))]
+    args.out.mkdir(parents=True, exist_ok=True)
+    server = ServerProcess(args.draft, args.target, args.out / "server.log", "--no-profile")
+    try:
+        model = args.target
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=run_client,
+                                    args=(server.url, model, [r for r in requests if r.client == c], args.max_tokens, t0))
+                   for c in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall_s = time.perf_counter() - t0
+        health = server.health()
+    finally:
+        status = server.stop()
+
+    plain = plain_replies(args.target, requests, args.max_tokens)
+    complete = [r for r in requests if r.done and r.finish_reason and r.usage and not r.error]
+    equal = [r for r in complete if r.text == plain[r.prompt_id]]
+    tokens = sum(r.usage["completion_tokens"] for r in complete)
+    spec = [r.usage["speculative"] for r in complete]
+    proposed, accepted = sum(s["proposed"] for s in spec), sum(s["accepted"] for s in spec)
+    forwards = sum(s["target_forwards"] for s in spec)
+    result = {
+        "command": " ".join(["python -m omnidraft_mlx.bench.load_test", *(argv if argv is not None else sys.argv[1:])]),
+        "config": {"draft": args.draft, "target": args.target, "clients": args.clients,
+                   "requests_per_client": args.requests, "max_tokens": args.max_tokens, "greedy": True,
+                   "server_args": ["--no-profile"]},
+        "environment": environment_base(),
+        "requests": total,
+        "complete": len(complete),
+        "equal_to_plain": len(equal),
+        "server_exit_status": status,
+        "server_health": health,
+        "wall_s": wall_s,
+        "throughput": {"completion_tokens_per_s": tokens / wall_s, "requests_per_s": len(complete) / wall_s,
+                       "completion_tokens": tokens},
+        "latency_s": {"first_token": percentiles([r.first_token_s for r in complete if r.first_token_s is not None]),
+                      "request": percentiles([r.total_s for r in complete])},
+        "speculative": {"acceptance": accepted / proposed if proposed else None,
+                        "tokens_per_target_forward": tokens / forwards if forwards else None,
+                        "cached_prompt_tokens": sum(r.usage["prompt_tokens_details"]["cached_tokens"] for r in complete)},
+        "records": [{**asdict(r), "equal_to_plain": r.text == plain[r.prompt_id]} for r in requests],
+    }
+    atomic_write_text(args.out / "load_test.json", json.dumps(result, indent=1))
+    lat = result["latency_s"]
+    print(f"{len(complete)}/{total} replies complete, {len(equal)} equal to plain greedy decoding; "
+          f"{result['throughput']['completion_tokens_per_s']:.1f} tokens/s, {result['throughput']['requests_per_s']:.2f} "
+          f"requests/s over {wall_s:.1f}s; first token p50 {lat['first_token']['p50']:.2f}s "
+          f"p90 {lat['first_token']['p90']:.2f}s; request p50 {lat['request']['p50']:.2f}s "
+          f"p90 {lat['request']['p90']:.2f}s -> {args.out / 'load_test.json'}" if complete else
+          f"0/{total} replies complete -> {args.out / 'load_test.json'}")
+    if len(equal) < total or status != 0:
+        raise SystemExit(f"{total - len(complete)} replies lost or incomplete, {len(complete) - len(equal)} differ "
+                         f"from plain decoding, server exit status {status}: see {args.out / 'load_test.json'}")
+
+
+if __name__ == "__main__":
+    main()
