@@ -203,8 +203,6 @@ def main() -> None:
     derived, derived_tok = load_model(args.derived)
     target, target_tok = load_model(args.target)
     big = target if args.big_target == args.target else load_model(args.big_target)[0]
-    prompts = select_prompts(BenchConfig(draft=args.derived, target=args.target, tasks=args.tasks.split(","),
-                                         prompts=args.prompts))
     with _progress(True) as bar:
         cost = measure_costs(
             full, {args.derived: derived, args.full: full, args.target: target, args.big_target: big},
@@ -212,6 +210,8 @@ def main() -> None:
         )
         del big
         pairs = {"plain": make_pair(full, full_tok, target, target_tok)}
+        prompts = select_prompts(BenchConfig(draft=args.derived, target=args.target, tasks=args.tasks.split(","),
+                                             prompts=args.prompts), pairs["plain"])
         methods = [("plain", Method("plain", "plain"))]
         drafters = [("full", pairs["plain"], args.full_k),
                     ("derived", make_pair(derived, derived_tok, target, target_tok), args.k)]
