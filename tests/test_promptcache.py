@@ -2,6 +2,7 @@
 
 import os
 
+from omnidraft_mlx.chat import ChatConfig, ChatSession
 from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.promptcache import CacheUse, PromptCache
 from omnidraft_mlx.prompts import encode_prompt
@@ -100,3 +101,16 @@ def test_a_drafter_update_retires_only_the_drafter_caches(cross):
     use = CacheUse()
     assert cached_reply(cache, cross, messages, use) == greedy(cross, messages)
     assert use.draft_tokens == 0 and use.target_tokens > 0
+
+
+def test_a_chat_turn_prefills_only_what_is_new(cross):
+    """Six turns: each prefills the last reply and the new message, never the history before them."""
+    session, before = ChatSession(cross, ChatConfig(k=3, max_tokens=16, adapt=False)), 0
+    for turn in range(6):
+        reply = session.start(TURNS[turn % len(TURNS)])
+        text = "".join(piece for piece, _ in session.stream(reply))
+        session.finish(reply)
+        assert reply.ttft_s is not None and text == reply.text
+        assert reply.cached.target_tokens >= before
+        before = len(reply.target_ids)
+    assert len(session.conv.sent()) == 12
