@@ -18,6 +18,7 @@ from omnidraft_mlx.profile import Profile, load_profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
 
+from test_models_convert import home, tiny_spec  # noqa: F401 (fixtures)
 from tiny_models import TEXT, corpus, train_tokenizer, write_model
 
 PROMPTS = ["def add_7(x):\n    return x + 7\n\nprint(add_7(21))  # two\n\ndef add_1", "print(add_3(9))  # four\n"]
@@ -139,3 +140,34 @@ def test_convert_refuses_bad_input(dirs, tmp_path):
         convert_dir(dirs["target", "float32"], tmp_path / "x", "int3")
     with pytest.raises(OmniDraftError, match="already quantized"):
         convert_dir(dirs["target", "q4"], tmp_path / "y", "q8")
+
+
+def test_pull_names_each_dtype_apart(tiny_spec, home):
+    """A catalog model pulled in other dtypes: NAME-DTYPE, resolvable by that name, listed with its dtype."""
+    from omnidraft_mlx.models import pull as pull_mod
+    from omnidraft_mlx.models.catalog import local_name
+    from omnidraft_mlx.models.convert import default_dtype
+
+    half = pull_mod.pull("tiny", progress=False, dtype="float16")
+    assert half.name == local_name("tiny", "float16", default_dtype())
+    q8 = pull_mod.resolve_model("tiny-q8")  # the float model first, then mlx-lm's quantization of it
+    assert q8 == str(home / "models" / "tiny-q8") and pull_mod.is_model_dir(home / "models" / "tiny")
+    dtypes = {r["name"]: r["dtype"] for r in pull_mod.local_state() if r["status"] == "ready"}
+    assert dtypes == {"tiny": default_dtype(), half.name: "float16", "tiny-q8": "q8"}
+    with pytest.raises(OmniDraftError, match="unknown dtype"):
+        pull_mod.pull("tiny", progress=False, dtype="q3")
+
+
+@pytest.mark.real
+def test_real_4bit_qwen_target_is_lossless():
+    """Qwen2.5-Coder-0.5B quantized to 4 bits (from the pulled float model, cached
+    under the model home as qwen2.5-coder-0.5b-q4), SmolLM2 drafting."""
+    from test_lossless_real import PROMPTS as REAL_PROMPTS, check_pair, model as real_model
+
+    from omnidraft_mlx.models.pull import local_state
+
+    acceptance, pair = check_pair("smollm2-135m", "qwen2.5-coder-0.5b-q4", REAL_PROMPTS[:2], 24, k=4)
+    check_format(real_model("qwen2.5-coder-0.5b-q4")[0], "q4")
+    assert acceptance > 0.2
+    row = next(r for r in local_state() if r["name"] == "qwen2.5-coder-0.5b-q4")
+    assert row["dtype"] == "q4" and row["catalog"]
