@@ -2,7 +2,7 @@
 
     python profile_writer.py DRAFT TARGET PROFILE TAG SAVES GO [HELD RELEASE]
 
-Loads the profile, waits for the file GO, then SAVES times: adds an n-gram and
+Loads the profile, prints "loaded", waits for the file GO, then SAVES times: adds an n-gram and
 three head labels of its own (marked by TAG), sets every adapter weight to TAG
 and saves one drafter update. With HELD and RELEASE, its last save stops just
 before writing the manifest (its new files written, the lock held), creates
@@ -48,6 +48,7 @@ def main(draft, target, path, tag, saves, go, held=None, release=None):
     if not profile.distill:
         setup_trainable(model, DistillConfig(lora_rank=4))
     policy = profile.attach_policy(DraftPolicy(PolicyConfig(name="learned")))
+    print("loaded", flush=True)
     wait_for(go)
     for i in range(saves):
         profile.ngrams.add((1000 * tag + i, 7), tag)

@@ -22,9 +22,12 @@ WRITER = Path(__file__).with_name("profile_writer.py")
 
 
 def writer(tiny_dirs, path, tag, saves, go, *held):
-    return subprocess.Popen([sys.executable, str(WRITER), str(tiny_dirs["draft"]), str(tiny_dirs["target"]),
+    """A writer process (tests/profile_writer.py), returned once it has loaded the profile."""
+    proc = subprocess.Popen([sys.executable, str(WRITER), str(tiny_dirs["draft"]), str(tiny_dirs["target"]),
                              str(path), str(tag), str(saves), str(go), *map(str, held)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "loaded\n", proc.communicate()[1]
+    return proc
 
 
 def finish(proc) -> str:
@@ -49,7 +52,6 @@ def check_loads(tiny_dirs, path):
 def test_two_processes_saving_at_once_keep_both_contributions(tmp_path, tiny_dirs):
     path, go, saves = tmp_path / "prof", tmp_path / "go", 5
     procs = [writer(tiny_dirs, path, tag, saves, go) for tag in (1, 2)]
-    time.sleep(0.5)
     go.touch()
     errs = [finish(p) for p in procs]
     profile, head_rows = check_loads(tiny_dirs, path)
@@ -68,17 +70,19 @@ def test_a_save_in_flight_keeps_its_files(tmp_path, tiny_dirs):
     path, go, held, release = tmp_path / "prof", tmp_path / "go", tmp_path / "held", tmp_path / "release"
     go.touch()
     finish(writer(tiny_dirs, path, 1, 1, go))
+    second = writer(tiny_dirs, path, 3, 1, tmp_path / "go-second")  # loads the same profile as first
     first = writer(tiny_dirs, path, 2, 1, go, held, release)  # stops with its files written, lock held
     while not held.exists():
         assert first.poll() is None, first.stderr.read()
         time.sleep(0.05)
     fresh = sorted(set(p.name for p in path.iterdir()) - set(profile_files(path)) - {LOCK})
     assert any(f.startswith("adapter-") for f in fresh) and any(f.startswith("ngrams-") for f in fresh)
-    second = writer(tiny_dirs, path, 3, 1, go)  # saves meanwhile: must wait, then build on the first
+    (tmp_path / "go-second").touch()  # saves meanwhile: must wait, then build on the first
     time.sleep(3)
     assert second.poll() is None and all((path / f).exists() for f in fresh)
     release.touch()
-    finish(first), finish(second)
+    finish(first)
+    assert "another process saved 1 drafter update" in finish(second)
     profile, head_rows = check_loads(tiny_dirs, path)
     assert profile.updates == 3 and head_rows == {100, 200, 300}
     assert set(profile.ngrams.entries) == {(1000, 7), (2000, 7), (3000, 7)}
