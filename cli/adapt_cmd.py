@@ -6,6 +6,7 @@ evaluates, shows progress and writes the profile."""
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 from pathlib import Path
 from typing import Optional
@@ -59,15 +60,16 @@ def adapt(
     raw: bool = typer.Option(False, "--raw", help="Send prompts without the chat template."),
 ) -> None:
     """Fine-tune the drafter for the target on CORPUS (or --task), saving the pair's profile after every update."""
+    import mlx.core as mx
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from omnidraft_mlx.adapt import Budget, batch as batch_replies, evaluate, open_learner, stream, text
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
     from omnidraft_mlx.distill import DistillConfig
-    from omnidraft_mlx.distributed import share_folder, world
+    from omnidraft_mlx.distributed import share_folder, share_tree, world
     from omnidraft_mlx.loading import load_model
-    from omnidraft_mlx.profile import profile_dir
+    from omnidraft_mlx.profile import profile_dir, profile_lock
     from omnidraft_mlx.speculative import SpecConfig
 
     if mode not in (None, "stream", "batch", "text"):
@@ -91,12 +93,16 @@ def adapt(
     # Batch mode trains the acceptance head too, on replays of the replies (adapt.head_labels).
     draft_policy = DraftPolicy(PolicyConfig(name=policy if mode == "stream" else "learned", k=k)) \
         if mode != "text" else None
-    # Every rank starts from rank 0's profile (ranks on other machines get a copy of it).
+    # Every rank starts from rank 0's profile (ranks on other machines get a copy of it; the
+    # learner takes rank 0's weights and optimizer state, and here its corpus position).
+    home = profile_dir(draft, target)
+    with profile_lock(home, exclusive=False) if lead else nullcontext():
+        shared = share_folder(home, group)
     learner = open_learner(draft, target, (draft_model, draft_tok, target_model, target_tok), cfg, interval, raw,
-                           path=share_folder(profile_dir(draft, target), group), policy=draft_policy,
+                           path=shared, policy=draft_policy,
                            note=lambda s: lead and err_console.print(f"[yellow]note:[/] {s}"))
     pair, profile = learner.pair, learner.profile
-    learner.corpus, learner.position = key, profile.position(key)
+    learner.corpus, learner.position = key, int(share_tree(mx.array(profile.position(key)), group).item())
     if learner.position >= len(samples) and lead:
         err_console.print(f"[yellow]note:[/] all {len(samples)} items of {key} were learned from already; "
                           "`omnidraft profile reset` starts over")

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from omnidraft_mlx.distill import DistillConfig, Distiller, Example, StepStats, make_example
-from omnidraft_mlx.distributed import all_sum, gather_rows, shard, share_weights, world
+from omnidraft_mlx.distributed import all_sum, gather_rows, shard, share_tree, world
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.policy import DraftPolicy, replay_depths, replay_recent
@@ -171,10 +171,12 @@ class OnlineLearner:
         if policy is not None and profile is not None:
             profile.attach_policy(policy)  # saved with every update
         self.group = world()
-        share_weights(pair.draft, self.group)  # every rank trains the same drafter
         self.distiller = Distiller(pair, cfg, self.group)
         if profile is not None:
             profile.load_optimizer(self.distiller.opt)
+        if self.group.size() > 1:  # every rank trains rank 0's drafter (a new adapter is random per process)
+            pair.draft.update(share_tree(pair.draft.trainable_parameters(), self.group))
+            self.distiller.opt.state = share_tree(self.distiller.opt.state, self.group)
         self.buffer: list[Example] = []
         self.corpus: str | None = None  # where the observed prompts come from, and how far
         self.position = 0

@@ -102,12 +102,14 @@ def share_folder(path: Path, group: mx.distributed.Group) -> Path:
     return copy
 
 
-def share_weights(model, group: mx.distributed.Group) -> None:
-    """Rank 0's trainable weights on every rank (a new adapter starts random in each process)."""
+def share_tree(tree, group: mx.distributed.Group):
+    """Rank 0's arrays of a tree (weights, optimizer state) on every rank: every rank must
+    hold one of the same structure (a sum where the other ranks add zeros)."""
     from mlx.utils import tree_map
 
     if group.size() == 1:
-        return
+        return tree
     lead = group.rank() == 0
-    model.update(tree_map(lambda p: all_sum(p if lead else mx.zeros_like(p), group), model.trainable_parameters()))
-    mx.eval(model.trainable_parameters())
+    tree = tree_map(lambda a: all_sum(a if lead else mx.zeros_like(a), group), tree)
+    mx.eval(tree)
+    return tree
