@@ -98,3 +98,22 @@ def test_greedy_lossless_past_the_window(gemma, tiny, role, k):
         assert out == plain
         rejected += stats.proposed - stats.accepted
     assert rejected > 0  # rollbacks past the window were exercised
+
+
+def long_prompt() -> str:
+    """A Python module pasted with a question: well over Gemma-3-270M's 512-token window."""
+    import textwrap
+
+    source = open(textwrap.__file__).read()[:2600]
+    return f"{source}\n\n# Question: what does the function dedent above do? Answer:\n"
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("draft, target", [("smollm2-135m", "gemma-3-270m"), ("gemma-3-270m", "qwen2.5-coder-0.5b")])
+def test_real_gemma_lossless_past_its_window(draft, target):
+    from test_lossless_real import check_pair, model
+
+    prompt_ids = model("gemma-3-270m")[1].encode(long_prompt())
+    assert len(prompt_ids) > 560  # prompt + reply > 600 target and drafter tokens
+    acceptance, _ = check_pair(draft, target, [long_prompt()], max_tokens=80, k=4)
+    assert 0 < acceptance < 1  # drafts accepted and rejected (rolled back) past the window
