@@ -171,3 +171,14 @@ def test_a_killed_rank_leaves_the_last_update_and_the_run_resumes(tmp_path, tiny
     history = json.loads((profile_path(home) / "manifest.json").read_text())["history"]
     assert [h["position"] for h in history] == list(range(4, len(PROMPTS) + 1, 4))
     assert all(h["examples"] == 4 for h in history)
+
+
+def test_modes_other_than_batch_are_refused_on_several_ranks(tmp_path, tiny_dirs):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("def add_1(x):\n    return x + 1\n")
+    out = subprocess.run(adapt_cmd(doc, tiny_dirs, 2), capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMNIDRAFT_HOME": str(tmp_path)})
+    # Each rank says it in one line (the one that exits first makes mlx.launch stop the other).
+    assert "error: under mlx.launch adapt runs in batch mode (a JSONL corpus or --task), not text" in " ".join(
+        out.stderr.split()), out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "profiles").exists()
