@@ -7,8 +7,9 @@ drafter did (proposed and accepted target tokens, tokens per target forward).
 
 Requests are queued, not batched: the decode loop speculates on one sequence
 (one drafter cache and one target cache, rolled back per round), so one engine
-thread owns the pair (MLX runs all its work there) and serves requests in the
-order they arrive. A client that disconnects leaves the queue, or stops its
+owns the pair and serves requests in the order they arrive. It runs in the main
+thread (MLX does all its work there: a process whose other threads ran a model
+aborts at exit) and the HTTP server (uvicorn) in another. A client that disconnects leaves the queue, or stops its
 generation at the next round. Prompt caches are kept between requests
 (promptcache.PromptCache), so a resent system prompt or conversation is not
 prefilled again. The pair learns from what it serves as `omnidraft chat` does:
@@ -25,12 +26,11 @@ import logging
 import queue
 import secrets
 import signal
-import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -106,7 +106,7 @@ class Sampling(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)  # greedy unless asked: lossless and reproducible
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -197,32 +197,17 @@ class Result:
 
 
 class Engine:
-    """The pair, its prompt cache and its learners, owned by one thread that serves jobs in order."""
+    """The pair, its prompt cache and its learners; serves the queued jobs in order (run())."""
 
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
-        self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.ready = threading.Event()
-        self.failure: BaseException | None = None
-        self.generating = False
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.current: Job | None = None
         self.served = self.cancelled = self.failed = self.saves = 0
         self.dirty = False  # learned something not yet saved
-        self.thread = threading.Thread(target=self._run, name="omnidraft-engine", daemon=True)
 
-    # Set in the engine thread by _load().
+    # Set by load().
     pair = profile = policy = learner = prompt_cache = limit = None
-
-    def start(self) -> None:
-        """Load the models (in the engine thread); raise what loading raised."""
-        self.thread.start()
-        self.ready.wait()
-        if self.failure is not None:
-            raise self.failure
-
-    def stop(self) -> None:
-        """Finish the running job, refuse the queued ones, save what was learned."""
-        self.jobs.put(None)
-        self.thread.join()
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -231,7 +216,11 @@ class Engine:
     def queued(self) -> int:
         return self.jobs.qsize()
 
-    def _load(self) -> None:
+    @property
+    def generating(self) -> bool:
+        return self.current is not None
+
+    def load(self) -> None:
         from omnidraft_mlx.chat import make_learner
         from omnidraft_mlx.loading import load_model
         from omnidraft_mlx.pair import context_length, make_pair
@@ -251,30 +240,28 @@ class Engine:
         limits = [x for x in (context_length(draft_model), context_length(target_model)) if x]
         self.limit = min(limits) if limits else None
 
-    def _run(self) -> None:
-        try:
-            self._load()
-        except BaseException as e:
-            self.failure = e
-            return
-        finally:
-            self.ready.set()
+    def run(self, running: Callable[[], bool]) -> None:
+        """Serve jobs while running(); between them, when idle, learn and save."""
+        while running():
+            try:
+                job = self.jobs.get(timeout=IDLE_S if self.dirty or self._update_due else 1.0)
+            except queue.Empty:
+                if self.dirty or self._update_due:
+                    self._idle()
+                continue
+            self._serve(job)
+
+    def shutdown(self) -> None:
+        """The running and the queued requests get an error, not silence; then save what was learned."""
+        stopping = ApiError(503, "the server is shutting down", kind="server_error")
+        if self.current is not None:
+            self.current.emit("error", stopping)
+            self.current = None
         while True:
             try:
-                job = self.jobs.get(timeout=IDLE_S if self.dirty or self._update_due else None)
-            except queue.Empty:
-                self._idle()
-                continue
-            if job is None:
-                break
-            self._serve(job)
-        while True:  # shutting down: the queued requests get an error, not silence
-            try:
-                job = self.jobs.get_nowait()
+                self.jobs.get_nowait().emit("error", stopping)
             except queue.Empty:
                 break
-            if job is not None:
-                job.emit("error", ApiError(503, "the server is shutting down", kind="server_error"))
         self._save()
 
     @property
@@ -310,15 +297,15 @@ class Engine:
         if job.cancelled.is_set():
             self.cancelled += 1
             return
-        self.generating = True
+        self.current = job
         try:
             result, ids = self._generate(job)
-            if ids and self.learner is not None:
-                self._observe(job, ids)
-            self.dirty = True
             job.emit("done", result)
             self.served += 1
             self.cancelled += result.finish_reason == "cancelled"
+            self.dirty = True
+            if ids and self.learner is not None:
+                self._observe(job, ids)
         except OmniDraftError as e:
             self.failed += 1
             job.emit("error", ApiError(400, str(e)))
@@ -327,8 +314,7 @@ class Engine:
             log.error("generation failed:\n%s", traceback.format_exc())
             job.emit("error", ApiError(500, f"internal error ({type(e).__name__}): see the server's log",
                                        kind="server_error"))
-        finally:
-            self.generating = False
+        self.current = None  # not when interrupted (Ctrl-C): shutdown() tells the job's client
 
     def _generate(self, job: Job) -> tuple[Result, list[int]]:
         from omnidraft_mlx.speculative import SpecStats
@@ -584,14 +570,22 @@ def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8080, on_ready=
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     engine = Engine(cfg)
-    engine.start()
+    engine.load()
+    http = uvicorn.Server(uvicorn.Config(make_app(engine), host=host, port=port, log_level="warning",
+                                         timeout_graceful_shutdown=5))
+    web = threading.Thread(target=http.run, name="omnidraft-http", daemon=True)
+    web.start()
+    while not http.started:  # uvicorn says why when it cannot listen, and its thread ends
+        if not web.is_alive():
+            raise OmniDraftError(f"could not listen on {host}:{port}: is another server using that port?")
+        time.sleep(0.05)
     on_ready(engine)
-    # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again:
-    # as an exception here, so that what was learned is still saved.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
     try:
-        uvicorn.run(make_app(engine), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        engine.run(web.is_alive)
     except KeyboardInterrupt:
         pass
     finally:
-        engine.stop()
+        http.should_exit = True  # lets the open requests end (they get the shutdown error), then stops
+        engine.shutdown()
+        web.join()
