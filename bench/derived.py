@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from omnidraft_mlx.atomic import atomic_write_text
 from omnidraft_mlx.bench.report import prompt_speedup, record_speedup
-from omnidraft_mlx.bench.run import BenchConfig, Method, environment_base, rotated, run_one, select_prompts
+from omnidraft_mlx.bench.run import BenchConfig, Decoding, Method, environment_base, rotated, run_one, select_prompts
 from omnidraft_mlx.kvcache import prefill
 
 CACHED = 200
@@ -69,7 +69,7 @@ def decode_all(pairs: dict, methods: list[tuple[str, Method]], prompts, max_toke
 
     warm = Prompt("warmup", "chat", "Say hello.")
     for label, method in methods:  # first calls allocate; keep them out of the numbers
-        run_one(pairs[label], method, warm, 4)
+        run_one(pairs[label], method, warm, Decoding(4))
     task = progress.add_task("decode", total=len(prompts) * len(methods)) if progress else None
     records = []
     for i, prompt in enumerate(prompts):
@@ -77,7 +77,7 @@ def decode_all(pairs: dict, methods: list[tuple[str, Method]], prompts, max_toke
         for label, method in rotated(methods, i):
             if progress:
                 progress.update(task, description=f"{prompt.id} {label}")
-            record = run_one(pairs[label], method, prompt, max_tokens)
+            record = run_one(pairs[label], method, prompt, Decoding(max_tokens))
             done[label] = {**record, "method": label}
             if progress:
                 progress.advance(task)

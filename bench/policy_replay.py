@@ -170,7 +170,7 @@ def main(argv=None) -> None:
     from omnidraft_mlx.tasks import load_task
     from omnidraft_mlx.profile import load_head
 
-    pair, profile = load_pair(BenchConfig(draft=cfg["draft"], target=cfg["target"], tasks=cfg["tasks"]))
+    pair, profile, _ = load_pair(BenchConfig(draft=cfg["draft"], target=cfg["target"], tasks=cfg["tasks"]))
     texts = {p.id: p.text for task in cfg["tasks"] for p in load_task(task, "heldout")}
     feature_policy = DraftPolicy(PolicyConfig(name="learned", max_k=args.max_k))
     replies = [teacher_forced(pair, feature_policy, texts[r["prompt_id"]], r["output"], r["task"])

@@ -46,6 +46,15 @@ def record_speedup(records: list[dict], plain: list[dict]) -> dict | None:
     return speedup((r["tokens_per_s"], plain_rate.get(r["prompt_id"])) for r in records)
 
 
+def _rounds_by_source(records: list[dict]) -> dict | None:
+    """Rounds per draft source (and plain rounds), summed over records."""
+    total: dict[str, int] = {}
+    for r in records:
+        for source, (rounds, _, _) in (r.get("by_source") or {}).items():
+            total[source] = total.get(source, 0) + rounds
+    return total or None
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (task, method), plus task "all"; speedup as speedup() gives it."""
     tasks = list(dict.fromkeys(r["task"] for r in records)) + [ALL]
@@ -74,7 +83,10 @@ def summarize(records: list[dict]) -> list[dict]:
                 "other_ms_per_token": _ratio(_total(group, "other_s"), tokens / 1000 if tokens else None),
                 "generate_ms_per_token": _ratio(gen, tokens / 1000 if tokens else None),
                 "ngram_hits": _total(group, "ngram_hits"),
-                "all_equal_to_plain": all(r["equal_to_plain"] for r in group),
+                # None: sampled, compared by distribution
+                "all_equal_to_plain": None if any(r["equal_to_plain"] is None for r in group)
+                else all(r["equal_to_plain"] for r in group),
+                "rounds_by_source": _rounds_by_source(group),
                 "mismatches": [
                     {"prompt_id": r["prompt_id"], **r["mismatch"]} for r in group if r["mismatch"]
                 ],
@@ -84,6 +96,13 @@ def summarize(records: list[dict]) -> list[dict]:
 
 def _fmt(value, spec: str, none: str = "-") -> str:
     return none if value is None else format(value, spec)
+
+
+def _shares(rounds: dict | None) -> str:
+    if not rounds:
+        return "-"
+    total = sum(rounds.values())
+    return " ".join(f"{name} {100 * n / total:.0f}" for name, n in sorted(rounds.items(), key=lambda kv: -kv[1]))
 
 
 def _split(row: dict) -> str:
@@ -98,7 +117,7 @@ def table(rows: list[dict], title: str) -> Table:
     """A markdown-styled table (it prints as valid markdown)."""
     t = Table(title=title, box=box.MARKDOWN, title_justify="left")
     for col in ("task", "method", "n", "TTFT s", "tok/s", "speedup (min-max)", "accept",
-                "tok/fwd", "draft/verify/other %", "n-gram hits", "= plain"):
+                "tok/fwd", "draft/verify/other %", "n-gram hits", "= plain", "rounds by source %"):
         t.add_column(col, justify="left" if col in ("task", "method") else "right")
     for r in rows:
         t.add_row(
@@ -106,7 +125,9 @@ def table(rows: list[dict], title: str) -> Table:
             f"{_fmt(r['speedup_median'], '.2f')}x ({_fmt(r['speedup_min'], '.2f')}-{_fmt(r['speedup_max'], '.2f')})",
             _fmt(r["acceptance"], ".2f"), _fmt(r["tokens_per_forward"], ".2f"), _split(r),
             _fmt(r["ngram_hits"], ".0f"),
-            "yes" if r["all_equal_to_plain"] else f"NO ({len(r['mismatches'])})",
+            "n/a" if r["all_equal_to_plain"] is None else "yes" if r["all_equal_to_plain"]
+            else f"NO ({len(r['mismatches'])})",
+            _shares(r["rounds_by_source"]),
         )
     return t
 

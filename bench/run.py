@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import zip_longest
 from pathlib import Path
 
@@ -100,6 +100,16 @@ class BenchConfig:
         check_range("--max-tokens", self.max_tokens, 1)
         if self.time_limit_s is not None:
             check_range("--time-limit", self.time_limit_s / 60, 0.0, open_low=True)  # set in minutes
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """What every decode of a run shares."""
+
+    max_tokens: int
+    temp: float = 0.0
+    seed: int = 0
+    history: object = None  # the profile's lookup.HistoryIndex, read only (None: no history)
 
 
 @dataclass(frozen=True)
@@ -225,13 +235,13 @@ def _run_plain(pair, target_ids: list[int], max_tokens: int, temp: float, seed: 
     }
 
 
-def _run_ours(pair, draft_ids, target_ids, method: Method, run: dict, policy: DraftPolicy) -> dict:
+def _run_ours(pair, draft_ids, target_ids, method: Method, run: Decoding, policy: DraftPolicy) -> dict:
     stats = SpecStats()
-    cfg = SpecConfig(k=method.k, max_tokens=run["max_tokens"], translation=method.translation, temp=run["temp"],
-                     seed=run["seed"], sources=method.sources, guard=method.guard)
+    cfg = SpecConfig(k=method.k, max_tokens=run.max_tokens, translation=method.translation, temp=run.temp,
+                     seed=run.seed, sources=method.sources, guard=method.guard)
     out = []
     # The history index is read, never learned into: runs stay reproducible.
-    for new, _ in speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy, history=run["history"],
+    for new, _ in speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy, history=run.history,
                                        learn_history=False):
         out += new
         if isinstance(policy, OraclePolicy):
@@ -302,14 +312,14 @@ def first_mismatch(pair, target_ids: list[int], reference: list[int], output: li
     }
 
 
-def run_one(pair, method: Method, prompt: Prompt, run: dict, policy: DraftPolicy | None = None) -> dict:
-    """One decode; `run` holds the run's max_tokens, temp, seed and history index."""
+def run_one(pair, method: Method, prompt: Prompt, run: Decoding, policy: DraftPolicy | None = None) -> dict:
+    """One decode of prompt by method."""
     messages = prompt.messages()
     target_ids = encode_prompt(pair.target_tok, messages)
     if method.kind == "plain":
-        result = _run_plain(pair, target_ids, run["max_tokens"], run["temp"], run["seed"])
+        result = _run_plain(pair, target_ids, run.max_tokens, run.temp, run.seed)
     elif method.kind == "mlxlm":
-        result = _run_mlxlm(pair, target_ids, method.k, run["max_tokens"])
+        result = _run_mlxlm(pair, target_ids, method.k, run.max_tokens)
     else:
         draft_ids = encode_prompt(pair.draft_tok, messages)
         result = _run_ours(pair, draft_ids, target_ids, method, run, policy)
@@ -390,8 +400,9 @@ def recorded_path(path: Path) -> str:
 
 
 def load_pair(cfg: BenchConfig):
-    """Both models, once, with the pair's saved profile (adapter, n-gram cache) unless told
-    to ignore it; the second value describes what the profile brought (None: ignored)."""
+    """Both models, once, with the pair's saved profile (adapter, n-gram cache, history index)
+    unless told to ignore it; the second value describes what the profile brought (None:
+    ignored), the third is the history index (None: ignored)."""
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.pair import make_pair
     from omnidraft_mlx.profile import load_profile
@@ -400,11 +411,12 @@ def load_pair(cfg: BenchConfig):
     target, target_tok = load_model(cfg.target)
     profile = load_profile(cfg.draft, cfg.target, draft) if cfg.use_profile else None
     pair = make_pair(draft, draft_tok, target, target_tok, profile and profile.ngrams)
+    history = profile.attach_history() if profile is not None else None
     used = None if profile is None else {
         "path": recorded_path(profile.path), "adapter": bool(profile.distill), "updates": profile.updates,
-        "ngrams": len(profile.ngrams),
+        "ngrams": len(profile.ngrams), "history": len(history),
     }
-    return pair, used
+    return pair, used, history
 
 
 def run_bench(cfg: BenchConfig, progress=None) -> dict:
@@ -414,11 +426,11 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     methods = methods_for(cfg, pair.vmap.same_vocab)
     policies = make_policies(cfg, methods, profile, pair.vmap)
     ngrams_at_start, env = len(pair.ngrams), environment(cfg)
-    run = {"max_tokens": cfg.max_tokens, "temp": cfg.temp, "seed": cfg.seed, "history": history}
+    run = Decoding(cfg.max_tokens, cfg.temp, cfg.seed, history)
 
     warm = Prompt("warmup", "chat", WARMUP_PROMPT)
     for method in methods:  # first calls allocate; keep them out of the numbers
-        run_one(pair, method, warm, {**run, "max_tokens": WARMUP_TOKENS}, policies.get(method.name))
+        run_one(pair, method, warm, replace(run, max_tokens=WARMUP_TOKENS), policies.get(method.name))
 
     task = progress.add_task("bench", total=len(prompts) * len(methods)) if progress else None
     records, start = [], time.perf_counter()

@@ -55,9 +55,9 @@ def _greedy_reply(pair, messages: list[dict], max_tokens: int) -> str:
 
 
 def multiturn_prompts(n: int, pair, max_tokens: int) -> list[Prompt]:
-    """Turns 2 and 3 of n conversations (the tasks taken in turn); the earlier
-    replies are the target's own greedy replies (decoded here, untimed)."""
-    firsts = [p for group in zip(*(load_task(t, "heldout") for t in FOLLOW_UPS)) for p in group][:n]
+    """n prompts: turns 2 and 3 of n/2 conversations (the tasks taken in turn); the
+    earlier replies are the target's own greedy replies (decoded here, untimed)."""
+    firsts = [p for group in zip(*(load_task(t, "heldout") for t in FOLLOW_UPS)) for p in group][: (n + 1) // 2]
     prompts = []
     for first in firsts:
         context: list[dict] = []
@@ -67,7 +67,7 @@ def multiturn_prompts(n: int, pair, max_tokens: int) -> list[Prompt]:
             if turn < 3:
                 context += [{"role": "user", "content": text},
                             {"role": "assistant", "content": _greedy_reply(pair, [*context, {"role": "user", "content": text}], max_tokens)}]
-    return prompts
+    return prompts[:n]
 
 
 def file_prompts(path: str | Path) -> list[Prompt]:

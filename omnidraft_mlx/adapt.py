@@ -178,6 +178,7 @@ class OnlineLearner:
             pair.draft.update(share_tree(pair.draft.trainable_parameters(), self.group))
             self.distiller.opt.state = share_tree(self.distiller.opt.state, self.group)
         self.buffer: list[Example] = []
+        self.history = None  # a lookup.HistoryIndex that batch mode teaches the target's replies, when set
         self.corpus: str | None = None  # where the observed prompts come from, and how far
         self.position = 0
         self.last: UpdateReport | None = None
@@ -347,6 +348,9 @@ def batch(learner: OnlineLearner, samples: list[Sample], max_tokens: int, budget
         for i in range(start, stop):
             reply = replies[i].tolist()
             pair.learn_ngrams(reply)  # what verification would have taught the cache
+            if learner.history is not None:  # as decoding would: the prompt's tail as context
+                context = encode_prompt(pair.target_tok, _prompt(samples[i], "batch"), learner.raw)[-learner.history.order :]
+                learner.history.add(context + reply, start=len(context))
             done += 1
             records.append({"position": i + 1, "tokens": len(reply), "ngrams": len(pair.ngrams),
                             "updates": learner.updates, "reply": reply})
@@ -437,7 +441,8 @@ def evaluate(pair: Pair, prompts: list[list[dict]], k: int = 4, max_tokens: int 
     total = SpecStats()
     for msgs in prompts:
         stats = SpecStats()
-        cfg = SpecConfig(k=k, max_tokens=max_tokens, translation=translation)
+        # The drafter's own acceptance: it drafts every round, no lookups.
+        cfg = SpecConfig(k=k, max_tokens=max_tokens, translation=translation, sources="drafter", guard=False)
         msgs = asked(msgs)
         for _ in speculative_generate(pair, encode_prompt(pair.draft_tok, msgs), encode_prompt(pair.target_tok, msgs),
                                       cfg, stats):

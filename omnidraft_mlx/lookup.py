@@ -9,7 +9,9 @@ Both work in target tokens, so they need no translation and serve any pair.
   the counts of what followed each n-gram; the most frequent continuation of
   the reply's tail is proposed, token by token while it stays the clear favourite.
 Drafts are keyed by source and match length ("context:3"): the scheduler
-learns how often each kind holds.
+learns how often each kind holds. A lookup drafts `max_len` tokens, twice as
+many after a round whose whole draft held (up to 4 x max_len: a copied block
+runs long), and max_len again after a rejection, as assisted generation grows k.
 """
 
 from __future__ import annotations
@@ -23,12 +25,28 @@ from omnidraft_mlx.drafts import Context, Draft, DraftSource
 from omnidraft_mlx.learned import deferred_interrupt
 
 
-class ContextLookup(DraftSource):
-    name = "context"
+class LookupSource(DraftSource):
     free = True
 
+    def __init__(self, max_len: int):
+        self.max_len = self.length = max_len
+
+    def draft(self, tokens: list[int], match: int) -> Draft | None:
+        """A draft of looked-up tokens that adapts the next draft's length to how it fares."""
+
+        def settle(accepted: int, timing: dict) -> None:
+            held = accepted == len(tokens)
+            self.length = min(4 * self.max_len, 2 * self.length) if held else self.max_len
+
+        return Draft(tokens, f"{self.name}:{match}", settle=settle) if tokens else None
+
+
+class ContextLookup(LookupSource):
+    name = "context"
+
     def __init__(self, max_ngram: int = 4, max_len: int = 8):
-        self.max_ngram, self.max_len = max_ngram, max_len
+        super().__init__(max_len)
+        self.max_ngram = max_ngram
         self.seq: list[int] = []
         self.after: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
 
@@ -48,8 +66,7 @@ class ContextLookup(DraftSource):
         for n in range(min(self.max_ngram, len(self.seq)), 0, -1):
             start = self.after.get(tuple(self.seq[-n:]))
             if start is not None:
-                tokens = self.seq[start : start + min(limit, self.max_len)]
-                return Draft(tokens, f"{self.name}:{n}") if tokens else None
+                return self.draft(self.seq[start : start + min(limit, self.length)], n)
         return None
 
 
@@ -130,16 +147,15 @@ class HistoryIndex:
         return index
 
 
-class HistorySource(DraftSource):
+class HistorySource(LookupSource):
     name = "history"
-    free = True
 
     def __init__(self, index: HistoryIndex, learn: bool = True, max_len: int = 8):
-        self.index, self.learn, self.max_len = index, learn, max_len
+        super().__init__(max_len)
+        self.index, self.learn = index, learn
 
     def propose(self, ctx: Context, limit: int) -> Draft | None:
-        tokens, order = self.index.continuation(ctx.tail(self.index.order), min(limit, self.max_len))
-        return Draft(tokens, f"{self.name}:{order}") if tokens else None
+        return self.draft(*self.index.continuation(ctx.tail(self.index.order), min(limit, self.length)))
 
     def end_reply(self, ctx: Context) -> None:
         """Index the reply (the prompt's last tokens as its first context)."""

@@ -99,7 +99,7 @@ def test_bench_cross_vocab_end_to_end(tiny_dirs, home, tmp_path):
     before = (profile_dir(draft, target) / "ngrams.json").read_bytes()
 
     out = tmp_path / "out"
-    r = invoke("--draft", draft, "--target", target, "--task", "all", "--k", "2,3",
+    r = invoke("--draft", draft, "--target", target, "--task", "code,math,chat", "--k", "2,3",
                "--translation", "text,tokens", "--prompts", "2", "--max-tokens", "12", "--out", str(out))
     assert r.exit_code == 0, r.output
     for name in ("bench.json", "summary.md", "speedup.png", "k_sweep.png", "time_split.png"):
@@ -118,6 +118,40 @@ def test_bench_cross_vocab_end_to_end(tiny_dirs, home, tmp_path):
     env = result["environment"]
     assert env["blas"] and env["mlx"] and env["mlx_lm"] and env["models"]["target"]["name"] == target
     assert "| ours-k2-tokens |" in (out / "summary.md").read_text()
+
+
+def test_bench_compares_sources_on_use_cases_and_user_prompts(tiny_dirs, home, tmp_path):
+    """drafter / lookup / fused families, guard on and off, the edit and multiturn tasks and
+    a prompts file, all greedy-equal to plain; lookups find the code the edit prompts show."""
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "def add_3(x):"}, {"role": "assistant", "content": "    return x + 3"},
+        {"role": "user", "content": "Again, please."}]}) + "\n")
+    out = tmp_path / "out"
+    r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--task", "edit,multiturn",
+               "--prompts-file", str(prompts), "--source", "drafter,lookup,fused", "--guard", "on,off", "--k", "3",
+               "--prompts", "2", "--max-tokens", "16", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    result = json.loads((out / "bench.json").read_text())
+    check_records(result, ["plain", "ours-k3", "lookup", "lookup-noguard", "fused-k3", "fused-k3-noguard"])
+    ids = result["config"]["prompt_ids"]
+    assert len(ids) == 5 and ids[0].startswith("edit/HumanEval/") and ids[1].endswith("/2") and ids[2] == "file/1"
+    multiturn = next(r for r in result["records"] if r["task"] == "multiturn" and r["method"] == "plain")
+    assert multiturn["prompt_tokens"] > 60  # the earlier turn and its reply are part of the prompt
+    lookups = [r for r in result["records"] if r["method"] == "lookup-noguard" and r["task"] == "edit"]
+    assert sum(r["by_source"].get("context", [0, 0, 0])[2] for r in lookups) > 0
+
+
+def test_bench_sampled_runs_compare_by_distribution(tiny_dirs, home, tmp_path):
+    out = tmp_path / "out"
+    r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--task", "code",
+               "--source", "drafter,fused", "--k", "3", "--temp", "0.7", "--seed", "3", "--prompts", "2",
+               "--max-tokens", "12", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    result = json.loads((out / "bench.json").read_text())
+    assert {r["method"] for r in result["records"]} == {"plain", "ours-k3", "fused-k3"}
+    assert all(r["equal_to_plain"] is None and r["mismatch"] is None for r in result["records"])
+    assert "n/a" in (out / "summary.md").read_text()
 
 
 def test_bench_compares_draft_length_policies(tiny_dirs, home, tmp_path):
