@@ -244,3 +244,44 @@ def test_the_load_test_runs_on_the_tiny_pair(tiny_dirs, tmp_path):
     result = json.loads((tmp_path / "load_test.json").read_text())
     assert result["requests"] == result["complete"] == result["equal_to_plain"] == 6
     assert result["latency_s"]["request"]["n"] == 6 and result["throughput"]["completion_tokens"] > 0
+
+
+def test_serve_learning_while_another_process_saves_the_profile_loses_nothing(tiny_dirs, tmp_path, monkeypatch):
+    """The server learns and saves (n-grams, head, a drafter update per reply) while another
+    process (tests/profile_writer.py, as `omnidraft adapt` would) saves drafter updates, n-grams
+    and head labels into the same profile: the profile ends with both's contributions."""
+    from test_profile_lock import finish, writer
+
+    from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
+    from omnidraft_mlx.profile import load_head, load_profile, profile_dir
+
+    home, go, saves = tmp_path / "home", tmp_path / "go", 5
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(home))
+    path = profile_dir(str(tiny_dirs["draft"]), str(tiny_dirs["target"]))
+    other = writer(tiny_dirs, path, 7, saves, go)
+    srv = start(tiny_dirs, home, tmp_path / "server.log", "--adapt-every", "1", "--max-tokens", "24")
+    try:
+        with OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+            go.touch()
+            for i in range(6):
+                prompt = ["print(add_", "def add_3(x):"][i % 2]
+                c.chat.completions.create(model=str(tiny_dirs["target"]), messages=[{"role": "user", "content": prompt}])
+                time.sleep(0.6)  # idle: the server updates the drafter and saves
+        finish(other)
+    finally:
+        assert srv.stop() == 0, srv.log.read_text()  # saves what is left
+
+    from mlx_lm import load
+
+    profile = load_profile(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), load(str(tiny_dirs["draft"]))[0],
+                           trainable=True)
+    history = profile.manifest["history"]
+    theirs = [r for r in history if r.get("writer") == 7]
+    assert len(theirs) == saves and len(history) > saves  # the server's updates are there too
+    assert profile.updates == len(history)
+    grams = set(profile.ngrams.entries)
+    assert {(7000 + i, 7) for i in range(saves)} <= grams and len(grams) > saves  # the server's n-grams too
+    policy = DraftPolicy(PolicyConfig(name="learned"))
+    load_head(policy, path)
+    rows = {round(float(f[0])) for f in policy.features}
+    assert {700 + i for i in range(saves)} <= rows and len(policy.labels) > 3 * saves  # and its head labels
