@@ -106,7 +106,7 @@ class Sampling(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)  # greedy unless asked: lossless and reproducible
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0)  # best effort: a sample also depends on the drafts (the policy learns)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
