@@ -102,6 +102,8 @@ def adapt(
                            path=shared, policy=draft_policy,
                            note=lambda s: lead and err_console.print(f"[yellow]note:[/] {s}"))
     pair, profile = learner.pair, learner.profile
+    if mode == "batch":  # the target's replies also feed lookup drafting from earlier replies
+        learner.history = profile.attach_history()
     learner.corpus, learner.position = key, int(share_tree(mx.array(profile.position(key)), group).item())
     if learner.position >= len(samples) and lead:
         err_console.print(f"[yellow]note:[/] all {len(samples)} items of {key} were learned from already; "

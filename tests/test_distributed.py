@@ -79,6 +79,7 @@ def saved(home) -> dict:
     with np.load(path / files["accept_head"]) as head:
         head = {k: head[k] for k in head.files if k.startswith("head.") or k in ("features", "labels")}
     return {"manifest": manifest, "head": head, "ngrams": json.loads((path / files["ngrams"]).read_text()),
+            "history": json.loads((path / files["history"]).read_text()),
             **{k: {n: np.array(v) for n, v in mx.load(str(path / files[k])).items()} for k in ("adapter", "optimizer")}}
 
 
@@ -108,6 +109,7 @@ def test_an_update_on_two_ranks_equals_one_on_one_rank(tmp_path, tiny_dirs, corp
         for k in a[part]:
             np.testing.assert_allclose(a[part][k], b[part][k], rtol=1e-4, atol=1e-5, err_msg=f"{part} {k}")
     assert a["ngrams"] == b["ngrams"] and a["ngrams"]["entries"]  # the merged cache is the one-rank cache
+    assert a["history"] == b["history"] != start["history"]  # so is the index of earlier replies
     assert np.isclose(a["manifest"]["history"][-1]["loss"], b["manifest"]["history"][-1]["loss"], rtol=1e-5)
     # Progress appears once, from rank 0, as a plain line per update (stderr is not a terminal).
     lines = [line for line in two.stderr.splitlines() if "prompts/min" in line]
