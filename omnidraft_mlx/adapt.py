@@ -269,9 +269,9 @@ class Budget:
             return True
         return self.minutes is not None and time.monotonic() - self.start >= 60 * self.minutes
 
-    def spent_anywhere(self, done: int, group) -> bool:
-        """Whether any rank's budget is spent (their clocks differ; all must stop together)."""
-        return all_sum(mx.array(int(self.spent(done))), group).item() > 0
+    def spent_on_lead(self, done: int, group) -> bool:
+        """Rank 0's verdict, on every rank (their clocks differ; all must stop together)."""
+        return bool(share_tree(mx.array(int(self.spent(done))), group).item())
 
 
 @dataclass
@@ -328,7 +328,7 @@ def batch(learner: OnlineLearner, samples: list[Sample], max_tokens: int, budget
     from mlx_lm.generate import batch_generate
 
     pair, policy, group, records, done = learner.pair, learner.policy, learner.group, [], 0
-    while learner.position < len(samples) and not budget.spent_anywhere(done, group):
+    while learner.position < len(samples) and not budget.spent_on_lead(done, group):
         start = learner.position
         stop = min(len(samples), start + learner.interval)
         if budget.max_prompts is not None:
