@@ -11,11 +11,16 @@ Collectives run on the CPU stream (the ring backend has no GPU kernels).
 
 from __future__ import annotations
 
+import atexit
+import io
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
 import mlx.core as mx
+from mlx.utils import tree_map
 
 
 def world() -> mx.distributed.Group:
@@ -46,8 +51,6 @@ def all_gather_bytes(data: bytes, group: mx.distributed.Group) -> list[bytes]:
 
 def gather_arrays(arrays: dict[str, np.ndarray], group: mx.distributed.Group) -> list[dict[str, np.ndarray]]:
     """Every rank's named numpy arrays, in rank order (serialised as .npz)."""
-    import io
-
     if group.size() == 1:
         return [arrays]
     buf = io.BytesIO()
@@ -80,11 +83,6 @@ def broadcast_bytes(data: bytes, group: mx.distributed.Group) -> bytes:
 def share_folder(path: Path, group: mx.distributed.Group) -> Path:
     """Rank 0's `path` (its plain files) on every rank: the other ranks get a copy in a
     temporary folder, so ranks on other machines start from rank 0's profile."""
-    import atexit
-    import io
-    import shutil
-    import tempfile
-
     if group.size() == 1:
         return path
     buf = io.BytesIO()
@@ -105,8 +103,6 @@ def share_folder(path: Path, group: mx.distributed.Group) -> Path:
 def share_tree(tree, group: mx.distributed.Group):
     """Rank 0's arrays of a tree (weights, optimizer state) on every rank: every rank must
     hold one of the same structure (a sum where the other ranks add zeros)."""
-    from mlx.utils import tree_map
-
     if group.size() == 1:
         return tree
     lead = group.rank() == 0
