@@ -39,7 +39,7 @@ def top2_gap(target, prompt_ids, prefix):
     return top[1] - top[0]
 
 
-def check_pair(draft_name, target_name, prompts, max_tokens, k):
+def check_pair(draft_name, target_name, prompts, max_tokens, k, sources="drafter", guard=False):
     (dm, dt), (tm, tt) = model(draft_name), model(target_name)
     pair = make_pair(dm, dt, tm, tt)
     accepted = proposed = 0
@@ -48,7 +48,7 @@ def check_pair(draft_name, target_name, prompts, max_tokens, k):
         tp, dp = encode_prompt(tt, msgs), encode_prompt(dt, msgs)
         ref = list(plain_generate(tm, tt, tp, PlainStats(), max_tokens=max_tokens))
         stats = SpecStats()
-        cfg = SpecConfig(k=k, max_tokens=max_tokens)
+        cfg = SpecConfig(k=k, max_tokens=max_tokens, sources=sources, guard=guard)
         out = [t for new, _ in speculative_generate(pair, dp, tp, cfg, stats) for t in new]
         if out != ref:
             i = next(i for i, (a, b) in enumerate(zip(out, ref)) if a != b)
@@ -58,6 +58,17 @@ def check_pair(draft_name, target_name, prompts, max_tokens, k):
         accepted += stats.accepted
         proposed += stats.proposed
     return accepted / proposed, pair
+
+
+EDIT = ("Here is a Python function:\n```python\ndef mean(xs):\n    total = 0\n    for x in xs:\n"
+        "        total += x\n    return total / len(xs)\n```\nAdd type hints and show the whole updated code.")
+
+
+def test_default_sources_and_guard_on_the_default_pair():
+    """The product's default: drafter, context and history lookups, the guard."""
+    acceptance, _ = check_pair("smollm2-135m", "qwen2.5-coder-0.5b", [EDIT, PROMPTS[2]], 48, k=4,
+                               sources="drafter,context,history", guard=True)
+    assert acceptance > 0.3  # the reply repeats the code: lookups hold
 
 
 def test_smollm2_drafts_for_qwen():

@@ -23,7 +23,7 @@ def run(pair, policy, prompts, max_tokens=40):
         msgs = user_messages(prompt)
         dp, tp = encode_prompt(pair.draft_tok, msgs, True), encode_prompt(pair.target_tok, msgs, True)
         stats = SpecStats()
-        cfg = SpecConfig(k=policy.cfg.k, max_tokens=max_tokens)
+        cfg = SpecConfig(k=policy.cfg.k, max_tokens=max_tokens, sources="drafter", guard=False)
         outs.append([t for new, _ in speculative_generate(pair, dp, tp, cfg, stats, policy) for t in new])
         for f in ("rounds", "drafted", "accepted", "proposed", "emitted"):
             setattr(total, f, getattr(total, f) + getattr(stats, f))
@@ -166,7 +166,7 @@ def test_oracle_drafts_exactly_as_far_as_the_reply_agrees(cross, tiny):
         reply = list(plain_generate(tm, tt, encode_prompt(tt, msgs, True), PlainStats(), max_tokens=40))
         oracle.start(reply)
         out = []
-        cfg = SpecConfig(k=3, max_tokens=40)
+        cfg = SpecConfig(k=3, max_tokens=40, sources="drafter", guard=False)
         for new, _ in speculative_generate(cross, encode_prompt(cross.draft_tok, msgs, True),
                                            encode_prompt(tt, msgs, True), cfg, SpecStats(), oracle):
             out += new
@@ -209,7 +209,7 @@ def test_head_labels_replay_what_decoding_gives_the_head(tiny):
         msgs = user_messages(prompt)
         dp, tp = encode_prompt(dt, msgs, True), encode_prompt(tt, msgs, True)
         before = len(live.labels)
-        reply = [t for new, _ in speculative_generate(pair, dp, tp, SpecConfig(k=4, max_tokens=40), SpecStats(), live)
+        reply = [t for new, _ in speculative_generate(pair, dp, tp, SpecConfig(k=4, max_tokens=40, sources="drafter", guard=False), SpecStats(), live)
                  for t in new]
         features, kept = head_labels(pair, make_example(pair, dp, tp, reply), replayed)
         n = min(len(kept), len(live.labels) - before) - 4  # the last round may be cut short by max_tokens
