@@ -14,7 +14,9 @@ decodes every prompt plainly in this process. Checks: every reply complete
 Reports latency percentiles (time to first token, whole request), throughput
 (completion tokens and requests per second of wall time) and the drafter's
 acceptance to load_test.json under --out; exits non-zero when a reply was lost
-or differs.
+or differs. Before the clients start, one request with a long system prompt is
+sent twice: the second's prompt comes from the server's prompt cache, and its
+time to first token is reported next to the first's.
 """
 
 from __future__ import annotations
@@ -124,6 +126,25 @@ def run_client(url: str, model: str, requests: list[Request], max_tokens: int, t
             r.total_s = time.perf_counter() - t0 - r.start_s
 
 
+def repeated_prompt(url: str, model: str, prompts: list, examples: int, max_tokens: int) -> dict:
+    """One request with a long system prompt (chat prompts as examples), sent twice."""
+    system = "Answer as these examples ask to be answered:\n" + "\n".join(p.text for p in prompts[:examples])
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": prompts[0].text}]
+    warm = Request(0, "warm-up", prompts[-1].messages())  # so that neither pays the server's first-request costs
+    first, again = Request(0, "repeated", messages), Request(0, "repeated", messages)
+    for r in (warm, first, again):
+        run_client(url, model, [r], max_tokens, time.perf_counter())
+        if r.error or not r.usage:
+            return {"error": r.error or "no usage"}
+    return {"prompt_tokens": first.usage["prompt_tokens"],
+            "cached_tokens": [first.usage["prompt_tokens_details"]["cached_tokens"],
+                              again.usage["prompt_tokens_details"]["cached_tokens"]],
+            "first_token_s": [first.first_token_s, again.first_token_s],
+            "first_token_ratio": again.first_token_s / first.first_token_s
+            if first.first_token_s and again.first_token_s else None,
+            "same_reply": first.text == again.text}
+
+
 def plain_replies(target: str, requests: list[Request], max_tokens: int) -> dict[str, str]:
     """The target's own greedy reply to each prompt (mlx-lm's generate_step)."""
     from omnidraft_mlx.generate import PlainStats, plain_generate
@@ -153,6 +174,8 @@ def main(argv=None) -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=4, help="requests per client, one after another")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeat-examples", type=int, default=50,
+                    help="chat prompts in the repeated request's system prompt (its length)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/serve-load"))
     args = ap.parse_args(argv)
     if min(args.clients, args.requests, args.max_tokens) < 1:
@@ -169,6 +192,7 @@ def main(argv=None) -> None:
     server = ServerProcess(args.draft, args.target, args.out / "server.log", "--no-profile")
     try:
         model = args.target
+        repeated = repeated_prompt(server.url, model, prompts, args.repeat_examples, args.max_tokens)
         t0 = time.perf_counter()
         threads = [threading.Thread(target=run_client,
                                     args=(server.url, model, [r for r in requests if r.client == c], args.max_tokens, t0))
@@ -192,6 +216,7 @@ def main(argv=None) -> None:
     result = {
         "command": " ".join(["python -m omnidraft_mlx.bench.load_test", *(argv if argv is not None else sys.argv[1:])]),
         "config": {"draft": args.draft, "target": args.target, "clients": args.clients,
+                   "repeat_examples": args.repeat_examples,
                    "requests_per_client": args.requests, "max_tokens": args.max_tokens, "greedy": True,
                    "server_args": ["--no-profile"]},
         "environment": environment_base(),
@@ -208,6 +233,7 @@ def main(argv=None) -> None:
         "speculative": {"acceptance": accepted / proposed if proposed else None,
                         "tokens_per_target_forward": tokens / forwards if forwards else None,
                         "cached_prompt_tokens": sum(r.usage["prompt_tokens_details"]["cached_tokens"] for r in complete)},
+        "repeated_prompt": repeated,
         "records": [{**asdict(r), "equal_to_plain": r.text == plain[r.prompt_id]} for r in requests],
     }
     atomic_write_text(args.out / "load_test.json", json.dumps(result, indent=1))
@@ -216,7 +242,8 @@ def main(argv=None) -> None:
           f"{result['throughput']['completion_tokens_per_s']:.1f} tokens/s, {result['throughput']['requests_per_s']:.2f} "
           f"requests/s over {wall_s:.1f}s; first token p50 {lat['first_token']['p50']:.2f}s "
           f"p90 {lat['first_token']['p90']:.2f}s; request p50 {lat['request']['p50']:.2f}s "
-          f"p90 {lat['request']['p90']:.2f}s -> {args.out / 'load_test.json'}" if complete else
+          f"p90 {lat['request']['p90']:.2f}s; a repeated {repeated.get('prompt_tokens')}-token prompt: first token "
+          f"{repeated.get('first_token_ratio') or 0:.2f}x as late -> {args.out / 'load_test.json'}" if complete else
           f"0/{total} replies complete -> {args.out / 'load_test.json'}")
     if len(equal) < total or status != 0:
         raise SystemExit(f"{total - len(complete)} replies lost or incomplete, {len(complete) - len(equal)} differ "

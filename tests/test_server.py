@@ -240,10 +240,12 @@ def test_kill_9_while_serving_and_saving_leaves_a_profile_that_loads(tiny_dirs, 
 
 def test_the_load_test_runs_on_the_tiny_pair(tiny_dirs, tmp_path):
     load_test(["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--clients", "3",
-               "--requests", "2", "--max-tokens", "16", "--out", str(tmp_path)])
+               "--requests", "2", "--max-tokens", "16", "--repeat-examples", "15", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "load_test.json").read_text())
     assert result["requests"] == result["complete"] == result["equal_to_plain"] == 6
     assert result["latency_s"]["request"]["n"] == 6 and result["throughput"]["completion_tokens"] > 0
+    repeated = result["repeated_prompt"]
+    assert repeated["same_reply"] and repeated["cached_tokens"][1] == repeated["prompt_tokens"] - 1
 
 
 def test_serve_learning_while_another_process_saves_the_profile_loses_nothing(tiny_dirs, tmp_path, monkeypatch):
