@@ -439,7 +439,7 @@ def derive(cfg: DeriveConfig, restart: bool = False, progress: bool = True) -> P
     if not is_model_dir(src):
         raise OmniDraftError(f"'{cfg.source}' is not a local MLX model directory; derive needs its weights here")
     if "quantization" in json.loads((src / "config.json").read_text()):
-        raise OmniDraftError(f"'{cfg.source}' is quantized: derive from a float model (pull it with --dtype float32|float16|bfloat16)")
+        raise OmniDraftError(f"'{cfg.source}' is quantized: derive from a float model (models pull --dtype float32)")
     if cfg.minutes < 0 or cfg.replies < 0:
         raise OmniDraftError(f"--minutes and --replies must be >= 0, got {cfg.minutes} and {cfg.replies}")
     teacher, tokenizer = load(str(src))

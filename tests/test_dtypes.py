@@ -142,6 +142,13 @@ def test_convert_refuses_bad_input(dirs, tmp_path):
         convert_dir(dirs["target", "q4"], tmp_path / "y", "q8")
 
 
+def test_derive_refuses_a_quantized_source(dirs, home):
+    from omnidraft_mlx.models.derive import DeriveConfig, derive
+
+    with pytest.raises(OmniDraftError, match="is quantized: derive from a float model"):
+        derive(DeriveConfig(source=str(dirs["draft", "q4"]), layers=1, name="tiny-1l"), progress=False)
+
+
 def test_pull_names_each_dtype_apart(tiny_spec, home):
     """A catalog model pulled in other dtypes: NAME-DTYPE, resolvable by that name, listed with its dtype."""
     from omnidraft_mlx.models import pull as pull_mod
