@@ -46,6 +46,7 @@ from omnidraft_mlx.prompts import encode_prompt
 from omnidraft_mlx.drafter import output_head
 from omnidraft_mlx.kvcache import prefill
 from omnidraft_mlx.drafts import SOURCES
+from omnidraft_mlx.scheduler import Scheduler
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
 
 WARMUP_PROMPT = "Say hello."
@@ -235,14 +236,15 @@ def _run_plain(pair, target_ids: list[int], max_tokens: int, temp: float, seed: 
     }
 
 
-def _run_ours(pair, draft_ids, target_ids, method: Method, run: Decoding, policy: DraftPolicy) -> dict:
+def _run_ours(pair, draft_ids, target_ids, method: Method, run: Decoding, policy: DraftPolicy,
+              scheduler: Scheduler | None) -> dict:
     stats = SpecStats()
     cfg = SpecConfig(k=method.k, max_tokens=run.max_tokens, translation=method.translation, temp=run.temp,
                      seed=run.seed, sources=method.sources, guard=method.guard)
     out = []
     # The history index is read, never learned into: runs stay reproducible.
     for new, _ in speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy, history=run.history,
-                                       learn_history=False):
+                                       learn_history=False, scheduler=scheduler):
         out += new
         if isinstance(policy, OraclePolicy):
             policy.advance(new)
@@ -312,8 +314,9 @@ def first_mismatch(pair, target_ids: list[int], reference: list[int], output: li
     }
 
 
-def run_one(pair, method: Method, prompt: Prompt, run: Decoding, policy: DraftPolicy | None = None) -> dict:
-    """One decode of prompt by method."""
+def run_one(pair, method: Method, prompt: Prompt, run: Decoding, policy: DraftPolicy | None = None,
+            scheduler: Scheduler | None = None) -> dict:
+    """One decode of prompt by method (its policy and scheduler carry over from its earlier decodes)."""
     messages = prompt.messages()
     target_ids = encode_prompt(pair.target_tok, messages)
     if method.kind == "plain":
@@ -322,7 +325,7 @@ def run_one(pair, method: Method, prompt: Prompt, run: Decoding, policy: DraftPo
         result = _run_mlxlm(pair, target_ids, method.k, run.max_tokens)
     else:
         draft_ids = encode_prompt(pair.draft_tok, messages)
-        result = _run_ours(pair, draft_ids, target_ids, method, run, policy)
+        result = _run_ours(pair, draft_ids, target_ids, method, run, policy, scheduler)
     tokens = len(result["output"])
     record = {
         "prompt_id": prompt.id, "task": prompt.task, "method": method.name, "kind": method.kind,
@@ -431,6 +434,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     warm = Prompt("warmup", "chat", WARMUP_PROMPT)
     for method in methods:  # first calls allocate; keep them out of the numbers
         run_one(pair, method, warm, replace(run, max_tokens=WARMUP_TOKENS), policies.get(method.name))
+    # One scheduler per method for the whole run, as a chat session keeps one (from after the warm-up).
+    schedulers = {m.name: Scheduler() for m in methods if m.kind == "ours"}
 
     task = progress.add_task("bench", total=len(prompts) * len(methods)) if progress else None
     records, start = [], time.perf_counter()
@@ -446,7 +451,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
             if isinstance(policy, OraclePolicy):  # show it the reply (plain's, or decoded now, untimed)
                 plain = done.get("plain") or run_one(pair, methods[0], prompt, run)
                 policy.start(plain["output"])
-            record = run_one(pair, method, prompt, run, policy)
+            record = run_one(pair, method, prompt, run, policy, schedulers.get(method.name))
             record["order"] = order
             record["load_avg_1m"] = os.getloadavg()[0]  # other work on the machine, for drift
             done[method.name] = record

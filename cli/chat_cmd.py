@@ -103,10 +103,12 @@ def chat(
         pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile.ngrams if profile else None)
         learner = make_learner(pair, profile, adapt_every) if adapt else None
     draft_policy = DraftPolicy(policy_cfg)
+    replies_index = None
     if profile:
         profile.attach_policy(draft_policy)
+        replies_index = profile.attach_history()
     on_save = profile.save if profile else None
-    session = ChatSession(pair, cfg, Conversation(system), learner, on_save, draft_policy)
+    session = ChatSession(pair, cfg, Conversation(system), learner, on_save, draft_policy, history=replies_index)
     with console.status("timing the target's plain decoding step (for the speedup estimate)"):
         session.measure_plain_speed()
     console.print(

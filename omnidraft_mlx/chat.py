@@ -19,6 +19,8 @@ from typing import Iterator
 
 from omnidraft_mlx.atomic import atomic_write_text
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.lookup import HistoryIndex
+from omnidraft_mlx.scheduler import Scheduler
 from omnidraft_mlx.pair import Pair, context_length
 from omnidraft_mlx.policy import DraftPolicy
 from omnidraft_mlx.promptcache import CacheUse, PromptCache
@@ -167,8 +169,10 @@ class ChatSession:
 
     def __init__(self, pair: Pair, cfg: ChatConfig, conversation: Conversation | None = None,
                  learner=None, on_save=None, policy: DraftPolicy | None = None,
-                 prompt_cache: PromptCache | None = None):
+                 prompt_cache: PromptCache | None = None, history: HistoryIndex | None = None):
         self.pair, self.cfg = pair, cfg
+        self.history = history  # earlier replies, for lookup drafts; learns from every reply
+        self.scheduler = Scheduler()  # which draft source pays, measured across replies
         self.prompt_cache = prompt_cache or PromptCache()  # both models' caches, kept across turns
         self.policy = policy  # draft length (default: fixed k); a learned one keeps learning across replies
         self.conv = conversation or Conversation()
@@ -223,7 +227,8 @@ class ChatSession:
         start = time.perf_counter()
         try:
             for new, drafted in self.prompt_cache.generate(self.pair, reply.draft_ids, reply.target_ids, cfg,
-                                                           reply.stats, self.policy, reply.cached):
+                                                           reply.stats, self.policy, reply.cached,
+                                                           history=self.history, scheduler=self.scheduler):
                 if reply.ttft_s is None:
                     reply.ttft_s = time.perf_counter() - start
                 for t, d in zip(new, drafted):

@@ -8,10 +8,14 @@ means), lookups per kind and match length, since a long match holds far more
 often than a one-token one. The option expected to make tokens fastest wins.
 
 The guard is the plain option: a plain step makes exactly what plain decoding
-makes, so while no source is expected to beat it the loop decodes plainly,
-and a source not chosen for `probe_every` rounds is tried again (the text may
-have changed: a list, a copied block). Without the guard some source drafts
-every round.
+makes, so while no source is expected to beat it the loop decodes plainly.
+An option not chosen for a while is probed (tried once: the text may have
+changed, a list, a copied block); each probe that loses doubles the wait
+before the next, so an option that never pays costs a handful of rounds per
+thousand. Without the guard some source drafts every round.
+
+A scheduler outlives a reply (chat, serve and bench keep one), so a new
+reply starts from what the last ones measured instead of probing afresh.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class Rate:
     seconds: float = 0.0
     rounds: int = 0
     last: int = -(10**9)  # round it last ran
+    wait: int = 0  # rounds before it is probed again
 
     def add(self, tokens: int, seconds: float, decay: float, now: int) -> None:
         self.tokens = decay * self.tokens + tokens
@@ -36,27 +41,28 @@ class Rate:
         self.rounds += 1
         self.last = now
 
-    def per_s(self, prior: float) -> float:
-        """Tokens per second; before any round, the optimistic prior (so it gets tried)."""
-        return self.tokens / self.seconds if self.rounds and self.seconds > 0 else prior
+    def per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.rounds and self.seconds > 0 else None
 
 
 class Scheduler:
-    def __init__(self, sources: list, guard: bool = True, decay: float = 0.8, probe_every: int = 24):
-        self.sources, self.guard = sources, guard
-        self.decay, self.probe_every = decay, probe_every
+    def __init__(self, decay: float = 0.8, probe_every: int = 16, max_wait: int = 1024):
+        self.decay, self.probe_every, self.max_wait = decay, probe_every, max_wait
         self.rates: dict[str, Rate] = {}
         self.round = 0
+        self.sources: list = []
+        self.guard = True
+        self.probe: str | None = None  # the option this round probes, if it does
+        self.best: str | None = None  # the measured best option this round
 
-    def start(self, ctx: Context) -> None:
-        for s in self.sources:
+    def begin_reply(self, sources: list, guard: bool, ctx: Context) -> None:
+        """This reply's sources (their prompt processing: prefill)."""
+        self.sources, self.guard = sources, guard
+        for s in sources:
             s.start(ctx)
 
     def _rate(self, key: str) -> Rate:
-        return self.rates.setdefault(key, Rate())
-
-    def _stale(self, key: str) -> bool:
-        return self.round - self._rate(key).last >= self.probe_every
+        return self.rates.setdefault(key, Rate(wait=self.probe_every))
 
     def propose(self, ctx: Context, limit: int) -> Draft:
         """The draft to verify this round (no tokens: a plain step)."""
@@ -66,9 +72,11 @@ class Scheduler:
         options += [(s.name, s) for s in self.sources if not s.free]
         if self.guard or not options:
             options.append((PLAIN, None))
-        plain = self._rate(PLAIN).per_s(0.0)
-        # Untried or long-unused options are probed; the best measured one otherwise.
-        key, choice = max(options, key=lambda o: (self._stale(o[0]), self._rate(o[0]).per_s(plain * 2 + 1e9)))
+        measured = [(rate, key) for key, _ in options if (rate := self._rate(key).per_s()) is not None]
+        self.best = max(measured)[1] if measured else None
+        due = [o for o in options if o[0] != self.best and self.round - self._rate(o[0]).last >= self._rate(o[0]).wait]
+        key, choice = due[0] if due else next(o for o in options if o[0] == self.best)
+        self.probe = key if due else None
         if choice is None:
             return Draft([], PLAIN)
         return choice if isinstance(choice, Draft) else choice.propose(ctx, limit)
@@ -76,7 +84,11 @@ class Scheduler:
     def settle(self, draft: Draft, accepted: int, timing: dict) -> None:
         """Learn from a verified round: the source's own learning, then the option's rate."""
         draft.settle(accepted, timing)
-        self._rate(draft.source).add(timing["tokens"], timing["round_s"], self.decay, self.round)
+        rate = self._rate(draft.source)
+        rate.add(timing["tokens"], timing["round_s"], self.decay, self.round)
+        if self.probe is not None and self.best is not None:
+            lost = rate.per_s() < self._rate(self.best).per_s()
+            rate.wait = min(2 * rate.wait, self.max_wait) if lost else self.probe_every
 
     def end_reply(self, ctx: Context) -> None:
         for s in self.sources:

@@ -43,6 +43,7 @@ from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
 from omnidraft_mlx.promptcache import DEFAULT_CACHE_BYTES, CacheUse, PromptCache
 from omnidraft_mlx.prompts import encode_prompt
+from omnidraft_mlx.scheduler import Scheduler
 from omnidraft_mlx.settings import check_range
 
 log = logging.getLogger("omnidraft.serve")
@@ -207,7 +208,7 @@ class Engine:
         self.dirty = False  # learned something not yet saved
 
     # Set by load().
-    pair = profile = policy = learner = prompt_cache = limit = None
+    pair = profile = policy = learner = prompt_cache = limit = history = scheduler = None
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -234,8 +235,10 @@ class Engine:
                               self.profile.ngrams if self.profile else None)
         self.learner = make_learner(self.pair, self.profile, cfg.adapt_every) if cfg.adapt else None
         self.policy = DraftPolicy(cfg.policy)
-        if self.profile:
-            self.profile.attach_policy(self.policy)  # saved with every profile save from now on
+        if self.profile:  # the policy's head and the history index are saved with every profile save from now on
+            self.profile.attach_policy(self.policy)
+            self.history = self.profile.attach_history()
+        self.scheduler = Scheduler()  # which draft source pays, measured across requests
         self.prompt_cache = PromptCache(cfg.cache_bytes)
         limits = [x for x in (context_length(draft_model), context_length(target_model)) if x]
         self.limit = min(limits) if limits else None
@@ -325,7 +328,8 @@ class Engine:
         ids, finish, ttft = [], None, None
         start = time.perf_counter()
         for new, _ in self.prompt_cache.generate(self.pair, job.draft_ids, job.target_ids, job.spec, stats,
-                                                 self.policy, use):
+                                                 self.policy, use, history=self.history,
+                                                 scheduler=self.scheduler):
             ttft = ttft if ttft is not None else time.perf_counter() - start
             ids += new
             piece, stopped = stop.add("".join(text.add(t) for t in new))

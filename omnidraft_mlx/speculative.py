@@ -144,10 +144,10 @@ def verify(out: mx.array, draft: Draft, cfg: SpecConfig, rng) -> tuple[int, int]
     return n, int(rng.choice(p.shape[1], p=p[n] / p[n].sum()))
 
 
-def make_scheduler(pair: Pair, draft_prompt: list[int], cfg: SpecConfig, policy: DraftPolicy,
-                   history: HistoryIndex | None = None, draft_slot: KVSlot | None = None,
-                   learn_history: bool = True) -> Scheduler:
-    """The configured sources (history only with an index to draw on), in one scheduler."""
+def make_sources(pair: Pair, draft_prompt: list[int], cfg: SpecConfig, policy: DraftPolicy,
+                 history: HistoryIndex | None = None, draft_slot: KVSlot | None = None,
+                 learn_history: bool = True) -> list:
+    """The configured draft sources (history only with an index to draw on)."""
     sources = []
     if "context" in cfg.sources:
         sources.append(ContextLookup(max_len=cfg.lookup_len))
@@ -155,16 +155,18 @@ def make_scheduler(pair: Pair, draft_prompt: list[int], cfg: SpecConfig, policy:
         sources.append(HistorySource(history, learn_history, cfg.lookup_len))
     if "drafter" in cfg.sources:
         sources.append(DrafterSource(pair, draft_prompt, cfg, policy, draft_slot))
-    return Scheduler(sources, cfg.guard)
+    return sources
 
 
 def speculative_generate(
     pair: Pair, draft_prompt: list[int], target_prompt: list[int], cfg: SpecConfig, stats: SpecStats,
     policy: DraftPolicy | None = None, history: HistoryIndex | None = None,
     target_slot: KVSlot | None = None, draft_slot: KVSlot | None = None, learn_history: bool = True,
+    scheduler: Scheduler | None = None,
 ) -> Iterator[tuple[list[int], list[bool]]]:
     """Yield (new target ids, which of them were drafted) after every round. Given slots,
-    their caches are reused (common prefix kept); on return each holds what its cache holds."""
+    their caches are reused (common prefix kept); on return each holds what its cache holds.
+    A scheduler kept across replies starts each from what the earlier ones measured."""
     policy = policy or DraftPolicy(PolicyConfig(k=cfg.k))
     target_eos = set(pair.target_tok.eos_token_ids) | {pair.vmap.target_eos}
     ctx = Context(target_prompt, rng=np.random.default_rng(cfg.seed))
@@ -172,8 +174,9 @@ def speculative_generate(
     target = target_slot or KVSlot.fresh(pair.target)
     stats.cached_tokens = min(target.common_prefix(target_prompt), len(target_prompt) - 1)
     target.reuse(pair.target, target_prompt[:-1])
-    scheduler = make_scheduler(pair, draft_prompt, cfg, policy, history, draft_slot, learn_history)
-    scheduler.start(ctx)
+    scheduler = scheduler or Scheduler()
+    scheduler.begin_reply(make_sources(pair, draft_prompt, cfg, policy, history, draft_slot, learn_history),
+                          cfg.guard, ctx)
     stats.prompt_tokens = len(target_prompt)
     stats.prefill_s = time.perf_counter() - t_start
     t_gen, y = time.perf_counter(), target_prompt[-1]

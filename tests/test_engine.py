@@ -24,6 +24,7 @@ def run_spec(pair, prompt, raw=True, **cfg):
     msgs = user_messages(prompt)
     dp, tp = encode_prompt(pair.draft_tok, msgs, raw), encode_prompt(pair.target_tok, msgs, raw)
     stats = SpecStats()
+    cfg = {"sources": "drafter", "guard": False, **cfg}  # the drafter's path (lookups: test_lookup.py)
     out = [t for new, _ in speculative_generate(pair, dp, tp, SpecConfig(**cfg), stats) for t in new]
     return out, stats
 
