@@ -77,6 +77,7 @@ class BenchConfig:
     temp: float = 0.0  # > 0: sampled decoding (plain samples alike; outputs compared by distribution)
     seed: int = 0
     prompts_file: str | None = None  # the user's prompts (JSONL), task "file"
+    fixed: bool = True  # drafter methods per --k (else only the --policy ones)
 
     def __post_init__(self):
         if not self.tasks and not self.prompts_file:
@@ -129,7 +130,7 @@ def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
     """plain, then per source family: the drafter alone as `ours-*` (never guarded: the
     baseline), `lookup` and `fused-*` (with and/or without the guard: `-noguard`)."""
     drafters = []  # (name, k, translation, policy, gamma)
-    for k in cfg.ks:
+    for k in cfg.ks if cfg.fixed or not cfg.policies else []:
         # A same-vocabulary pair needs no translation: one variant per k.
         for tr in cfg.translations[:1] if same_vocab else cfg.translations:
             drafters.append((f"k{k}" + ("" if tr == "text" else f"-{tr}"), k, tr, "fixed", None))

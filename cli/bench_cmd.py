@@ -93,6 +93,7 @@ def bench(
     prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="Also your own prompts: JSONL, {\"prompt\": ...} or {\"messages\": [...]} per line (task \"file\")."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature for every method, plain included (0 = greedy; outputs then compared by distribution, not identity)."),
     seed: int = typer.Option(0, "--seed", help="Random seed for sampled runs."),
+    fixed: bool = typer.Option(True, "--fixed/--no-fixed", help="With --policy: also the fixed-length methods (one per --k)."),
     k: str = typer.Option("3,4,5", "--k", "-k", help="Draft lengths to compare, comma-separated."),
     translation: str = typer.Option("text", "--translation", help="Draft translation(s): text, tokens or text,tokens."),
     policy: str = typer.Option("", "--policy", help="Adaptive draft-length policies to add: confidence,heuristic,learned; oracle (knows the reply: the bound for any policy)."),
@@ -144,7 +145,7 @@ def bench(
     cfg = BenchConfig(
         draft=draft, target=target, tasks=list(BENCH_TASKS) if (task or ("" if prompts_file else "all")) == "all" else _names(task or ""),
         sources=_names(source), guards=[_on_off(g) for g in _names(guard)], temp=temp, seed=seed,
-        prompts_file=str(prompts_file) if prompts_file else None,
+        prompts_file=str(prompts_file) if prompts_file else None, fixed=fixed,
         ks=_integers(k, "--k"), translations=[t.strip() for t in translation.split(",") if t.strip()],
         prompts=prompts or (QUICK_PROMPTS if quick else 6),
         max_tokens=max_tokens or (QUICK_TOKENS if quick else 96),
