@@ -20,19 +20,18 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from omnidraft_mlx.atomic import atomic_write_text
 from omnidraft_mlx.bench.report import prompt_speedup, record_speedup
 from omnidraft_mlx.bench.run import BenchConfig, Decoding, Method, environment_base, rotated, run_one, select_prompts
-from omnidraft_mlx.kvcache import prefill
+from omnidraft_mlx.kvcache import make_cache, prefill, trim_cache
 
 CACHED = 200
 
 
 def step_ms(model, repeats: int = 7) -> float:
     """Median ms of a single-token forward with CACHED tokens in the KV cache."""
-    cache = make_prompt_cache(model)
+    cache = make_cache(model)
     prefill(model, cache, [(17 * i) % 1000 + 100 for i in range(CACHED)])
     x = mx.array([[42]])
     times = []
@@ -40,7 +39,7 @@ def step_ms(model, repeats: int = 7) -> float:
         start = time.perf_counter()
         mx.eval(model(x, cache=cache))
         times.append(time.perf_counter() - start)
-        trim_prompt_cache(cache, 1)
+        trim_cache(cache, 1)
     return 1000 * float(np.median(times[1:]))
 
 

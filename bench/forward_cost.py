@@ -11,10 +11,9 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from omnidraft_mlx.generate import PlainStats, plain_generate
-from omnidraft_mlx.speculative import prefill
+from omnidraft_mlx.kvcache import make_cache, prefill, trim_cache
 
 CACHED = 200  # tokens already in the KV cache, as mid-generation
 WIDTHS = (1, 4, 8)
@@ -35,14 +34,14 @@ def graph_build_ms(model, cache, x: mx.array, repeats: int) -> float:
         start = time.perf_counter()
         model(x, cache=cache)
         times.append(time.perf_counter() - start)
-        trim_prompt_cache(cache, x.shape[1])
+        trim_cache(cache, x.shape[1])
     mx.eval([c.state for c in cache])  # the unrun cache updates, past the trimmed offset
     return 1000 * float(np.median(times))
 
 
 def forward_cost(model, tokenizer, repeats: int = 5) -> dict:
     ids = _context(tokenizer, CACHED + max(WIDTHS))
-    cache = make_prompt_cache(model)
+    cache = make_cache(model)
     prefill(model, cache, ids[:CACHED])
     forward_ms = {}
     for width in WIDTHS:
@@ -52,7 +51,7 @@ def forward_cost(model, tokenizer, repeats: int = 5) -> dict:
             start = time.perf_counter()
             mx.eval(model(x, cache=cache))
             times.append(time.perf_counter() - start)
-            trim_prompt_cache(cache, width)
+            trim_cache(cache, width)
         forward_ms[str(width)] = 1000 * float(np.median(times[1:]))
     build_ms = graph_build_ms(model, cache, mx.array(ids[CACHED : CACHED + 1])[None], repeats)
     stats = PlainStats()

@@ -178,7 +178,7 @@ class OnlineLearner:
             pair.draft.update(share_tree(pair.draft.trainable_parameters(), self.group))
             self.distiller.opt.state = share_tree(self.distiller.opt.state, self.group)
         self.buffer: list[Example] = []
-        self.history = None  # a lookup.HistoryIndex that batch mode teaches the target's replies, when set
+        self.history = None  # a lookup.HistoryIndex that learns the target's replies (batch and stream), when set
         self.corpus: str | None = None  # where the observed prompts come from, and how far
         self.position = 0
         self.last: UpdateReport | None = None
@@ -304,8 +304,8 @@ def stream(learner: OnlineLearner, samples: list[Sample], spec: SpecConfig, budg
         stats = SpecStats()
         draft_ids = encode_prompt(pair.draft_tok, msgs, learner.raw)
         target_ids = encode_prompt(pair.target_tok, msgs, learner.raw)
-        reply = [t for new, _ in speculative_generate(pair, draft_ids, target_ids, spec, stats, learner.policy)
-                 for t in new]
+        reply = [t for new, _ in speculative_generate(pair, draft_ids, target_ids, spec, stats, learner.policy,
+                                                      history=learner.history) for t in new]
         learner.observe(msgs, reply)
         learner.position, done = idx + 1, done + 1
         records.append({"position": idx + 1, "acceptance": stats.acceptance, "proposed": stats.proposed,
