@@ -1,13 +1,12 @@
 """Drafts that cost no model forward: context lookup and the history index, the
-scheduler that picks a source (or none) per round, and losslessness with them."""
+scheduler that picks a source (or none) per round, and greedy losslessness with
+them (sampling with lookup drafts: test_sampling.py)."""
 
 import json
 
 import pytest
 from mlx_lm import load
 
-import omnidraft_mlx.speculative as spec
-from omnidraft_mlx.bench.sampling_bias import exact_sequence_probs, fit, sample_sequences
 from omnidraft_mlx.drafts import Context
 from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.lookup import ContextLookup, HistoryIndex
@@ -100,33 +99,3 @@ def test_guard_decodes_plainly_while_no_source_pays(unrelated, guard):
         assert stats.by_source["plain"][0] >= 50 and 2 <= drafter_rounds <= 4
     else:
         assert "plain" not in stats.by_source
-
-
-LOOKUP_PROMPT = "def add_1(x):\n    return x + 1\n\ndef add_"  # "add_" was followed by "1(x)": lookups propose it
-LENGTH, TEMP, TOP_P, SAMPLES = 3, 1.0, 0.95, 1500
-
-
-@pytest.fixture(scope="module")
-def lookup_setup(tiny):
-    (dm, dt), (tm, tt) = tiny["draft"], tiny["target"]
-    pair = make_pair(dm, dt, tm, tt)
-    tp = encode_prompt(tt, user_messages(LOOKUP_PROMPT), True)
-    eos = set(tt.eos_token_ids) | {pair.vmap.target_eos}
-    return pair, exact_sequence_probs(tm, tp, eos, LENGTH, TEMP, TOP_P)
-
-
-def test_sampling_with_lookup_proposals_matches_target_distribution(lookup_setup):
-    pair, expected = lookup_setup
-    counts, stats = sample_sequences(pair, LOOKUP_PROMPT, "exact", SAMPLES, LENGTH, TEMP, TOP_P, sources="context")
-    pvalue, categories = fit(counts, expected)
-    assert categories >= 5
-    assert 0 < stats.accepted < stats.proposed  # point-mass proposals both accepted and rejected
-    assert pvalue > 1e-3, f"sampling with lookup drafts deviates from the target (p={pvalue:.2g})"
-
-
-def test_biased_lookup_sampler_is_caught(lookup_setup, monkeypatch):
-    """Resampling from p after rejecting a point mass (instead of p without it) is biased: caught."""
-    pair, expected = lookup_setup
-    monkeypatch.setattr(spec, "residual", lambda p, q: p)
-    counts, _ = sample_sequences(pair, LOOKUP_PROMPT, "exact", SAMPLES, LENGTH, TEMP, TOP_P, sources="context")
-    assert fit(counts, expected)[0] < 1e-3
