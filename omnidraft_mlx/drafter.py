@@ -107,6 +107,7 @@ class DrafterSource(DraftSource):
         # Exact sampling drafts only from the vocabulary intersection, renormalized (TLI).
         self.draft_mask = None if self.greedy or self.ngrams is not None else vmap.draft_to_target >= 0
         self.state = DraftState(pair, draft_prompt, cfg.lookbehind, slot)
+        self.in_step = 0  # accepted tokens after which the next sync is this source's usual one
         policy.begin_reply()
 
     def start(self, ctx: Context) -> None:
@@ -114,7 +115,7 @@ class DrafterSource(DraftSource):
         self.state.sync(bytes(ctx.text), ctx.committed)
 
     def propose(self, ctx: Context, limit: int) -> Draft:
-        forwards = self.state.forwards
+        forwards, catch_up = self.state.forwards, len(ctx.committed) != self.in_step
         logits, hidden = self.state.sync(bytes(ctx.text), ctx.committed)
         ids, probs, feats = self._draft(logits, hidden, min(limit, self.policy.max_len), ctx.rng)
         if self.by_text:
@@ -131,10 +132,13 @@ class DrafterSource(DraftSource):
             for s, e in (spans or [])[:accepted]:
                 if e - s > 1:
                     self.ngrams.record_use(tuple(ids[s:e]))
-            self.policy.time_round(forwards=self.state.forwards - forwards, drafted=len(ids), **timing)
+            if not catch_up:  # gamma auto prices the usual round
+                self.policy.time_round(forwards=self.state.forwards - forwards, drafted=len(ids), **timing)
+            self.in_step = len(ctx.committed) + timing["tokens"]
 
         return Draft(tokens, self.name, None if self.greedy else q, settle, drafted=len(ids),
-                     forwards=self.state.forwards - forwards, merged=[e - s > 1 for s, e in spans or []])
+                     forwards=self.state.forwards - forwards, merged=[e - s > 1 for s, e in spans or []],
+                     catch_up=catch_up)
 
     def _draft(self, logits, hidden, limit: int, rng):
         """Up to `limit` draft tokens: ids, their distributions (sampling) and head features."""

@@ -46,6 +46,9 @@ class Draft:
     drafted: int = 0  # drafter tokens behind the proposal
     forwards: int = 0  # drafter forwards paid for it
     merged: list[bool] = field(default_factory=list)  # per token: an n-gram cache merge
+    # The source first caught up on text other sources drafted (the drafter's lazy re-sync):
+    # this round cost more than its rounds usually do.
+    catch_up: bool = False
 
     def proposal(self, n: int, vocab: int) -> np.ndarray:
         if self.q is not None:

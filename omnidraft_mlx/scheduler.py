@@ -14,6 +14,11 @@ changed, a list, a copied block); each probe that loses doubles the wait
 before the next, so an option that never pays costs a handful of rounds per
 thousand. Without the guard some source drafts every round.
 
+A round in which the drafter first caught up on text that lookups drafted
+costs more than its usual round; it is not rated, and the drafter drafts again
+next round, in step, to be rated on what it usually costs. Charged for the
+catch-up, a probing drafter always lost and was shut out where it paid.
+
 A scheduler outlives a reply (chat, serve and bench keep one), so a new
 reply starts from what the last ones measured instead of probing afresh.
 """
@@ -54,6 +59,7 @@ class Scheduler:
         self.guard = True
         self.probe: str | None = None  # the option this round probes, if it does
         self.best: str | None = None  # the measured best option this round
+        self.again: str | None = None  # an option that caught up last round: rate it now
 
     def begin_reply(self, sources: list, guard: bool, ctx: Context) -> None:
         """This reply's sources (their prompt processing: prefill)."""
@@ -75,6 +81,7 @@ class Scheduler:
         measured = [(rate, key) for key, _ in options if (rate := self._rate(key).per_s()) is not None]
         self.best = max(measured)[1] if measured else None
         due = [o for o in options if o[0] != self.best and self.round - self._rate(o[0]).last >= self._rate(o[0]).wait]
+        due.sort(key=lambda o: o[0] != self.again)
         key, choice = due[0] if due else next(o for o in options if o[0] == self.best)
         self.probe = key if due else None
         if choice is None:
@@ -84,6 +91,9 @@ class Scheduler:
     def settle(self, draft: Draft, accepted: int, timing: dict) -> None:
         """Learn from a verified round: the source's own learning, then the option's rate."""
         draft.settle(accepted, timing)
+        self.again = draft.source if draft.catch_up else None
+        if self.again:
+            return  # not rated: still due (or best), it drafts again next round
         rate = self._rate(draft.source)
         rate.add(timing["tokens"], timing["round_s"], self.decay, self.round)
         if self.probe is not None and self.best is not None:

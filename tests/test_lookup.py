@@ -7,11 +7,12 @@ import json
 import pytest
 from mlx_lm import load
 
-from omnidraft_mlx.drafts import Context
+from omnidraft_mlx.drafts import Context, Draft, DraftSource
 from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.lookup import ContextLookup, HistoryIndex
 from omnidraft_mlx.pair import make_pair
 from omnidraft_mlx.prompts import encode_prompt, user_messages
+from omnidraft_mlx.scheduler import Scheduler
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
 
 from tiny_models import build_random_pair
@@ -95,7 +96,47 @@ def test_guard_decodes_plainly_while_no_source_pays(unrelated, guard):
     out, stats = decode(unrelated, "x", sources="drafter", guard=guard, k=4, max_tokens=60)
     drafter_rounds, proposed, accepted = stats.by_source["drafter"]
     assert accepted == 0 and proposed > 0
-    if guard:  # after one drafter round and one plain, plain wins; the drafter is probed now and then
-        assert stats.by_source["plain"][0] >= 50 and 2 <= drafter_rounds <= 4
+    if guard:  # after one drafter round and one plain, plain wins; the drafter is probed now and
+        # then, two rounds a probe (its catch-up on the plain rounds' text is not rated)
+        assert stats.by_source["plain"][0] >= 50 and 2 <= drafter_rounds <= 5
     else:
         assert "plain" not in stats.by_source
+
+
+class Repeat(DraftSource):
+    """A lookup that always finds the same two tokens."""
+
+    name, free = "context", True
+
+    def propose(self, ctx, limit):
+        return Draft([1, 2], self.name)
+
+
+class Lagging(DraftSource):
+    """A drafter that must first catch up on the text other sources drafted."""
+
+    name = "drafter"
+
+    def __init__(self):
+        self.in_step = False
+
+    def propose(self, ctx, limit):
+        draft = Draft([3, 4, 5], self.name, catch_up=not self.in_step)
+        self.in_step = True
+        return draft
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_drafter_that_caught_up_is_rated_in_step(guard):
+    """Lookup rounds make 2 tokens/s, the drafter's usual round 8/s, its catch-up round 0.4/s:
+    rated on the catch-up, a probing drafter always loses and is shut out."""
+    scheduler, drafter, ctx = Scheduler(), Lagging(), Context([0])
+    scheduler.begin_reply([Repeat(), drafter], guard, ctx)
+    chosen = []
+    for _ in range(200):
+        draft = scheduler.propose(ctx, 8)
+        drafter.in_step &= draft.source == "drafter"
+        tokens, seconds = {"context": (2, 1.0), "plain": (1, 1.0)}.get(draft.source, (4, 10.0 if draft.catch_up else 0.5))
+        scheduler.settle(draft, tokens - 1, dict(tokens=tokens, round_s=seconds))
+        chosen.append(draft.source)
+    assert chosen[-100:].count("drafter") >= 95  # the others: lookup probes, each with a catch-up after
