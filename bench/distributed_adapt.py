@@ -1,7 +1,7 @@
 """`omnidraft adapt` on 1 and 2 ranks (mx.distributed): prompts per minute, and held-out
 acceptance after a fixed number of prompts.
 
-    ./run.sh python -m omnidraft_mlx.bench.distributed_adapt --ranks 1,2 --prompts 64
+    ./run.sh python -m omnidraft_mlx.bench.distributed_adapt --ranks 1,2 --prompts 16
 
 Each world size starts with no profile, in its own OMNIDRAFT_HOME under the output folder
 (the user's models and downloads linked in), and runs batch-mode `omnidraft adapt --task T
@@ -54,8 +54,15 @@ def command(args, ranks: int) -> list[str]:
 def run(args, ranks: int) -> dict:
     home = fresh_home(args.out / "homes" / f"ranks-{ranks}")
     cmd = command(args, ranks)
+    # mlx.launch forwards its stdin to the ranks, polling it: at end of file (/dev/null, nohup)
+    # it spins a core. A pipe held open and never written keeps it idle.
+    idle_stdin, keep_open = os.pipe()
     start = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMNIDRAFT_HOME": str(home), "COLUMNS": "200"})
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, stdin=idle_stdin,
+                             env={**os.environ, "OMNIDRAFT_HOME": str(home), "COLUMNS": "200"})
+    finally:
+        os.close(idle_stdin), os.close(keep_open)
     wall = time.monotonic() - start
     acc, progress = ACCEPTANCE.search(out.stdout), PROGRESS.findall(out.stderr)
     if out.returncode or not acc or not progress:
@@ -70,7 +77,7 @@ def run(args, ranks: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="1,2", help="world sizes, comma separated")
-    p.add_argument("--prompts", type=int, default=64, help="prompts of the adaptation split per run")
+    p.add_argument("--prompts", type=int, default=16, help="prompts of the adaptation split per run")
     p.add_argument("--task", default="code")
     p.add_argument("--draft", default="smollm2-135m")
     p.add_argument("--target", default="qwen2.5-coder-0.5b")

@@ -44,12 +44,13 @@ def plot_speedup(result: dict, path: Path) -> None:
 
 
 def _families(methods: list[str], result: dict) -> dict[str, list[tuple[int, str]]]:
-    """Methods of one kind and translation, by k: ours (text), ours (tokens), mlx-lm."""
+    """Methods of one kind and variant, by k: ours (text), ours (tokens), ours (omnidraft), mlx-lm."""
     families: dict[str, list[tuple[int, str]]] = {}
     for m in result["config"]["methods"]:
         if m["k"] is None or m["name"] not in methods:
             continue
-        label = "mlx-lm" if m["kind"] == "mlxlm" else f"ours ({m['translation']})"
+        variant = m["sampling"] if result["config"].get("temp") else m["translation"]
+        label = "mlx-lm" if m["kind"] == "mlxlm" else f"ours ({variant})"
         families.setdefault(label, []).append((m["k"], m["name"]))
     return families
 

@@ -63,7 +63,8 @@ class BenchConfig:
     target: str
     tasks: list[str]
     ks: list[int] = field(default_factory=lambda: [3, 4, 5])
-    translations: list[str] = field(default_factory=lambda: ["text"])
+    translations: list[str] = field(default_factory=lambda: ["text"])  # greedy runs
+    samplings: list[str] = field(default_factory=lambda: ["exact"])  # sampled runs (temp > 0)
     prompts: int = 6  # held-out prompts per task
     max_tokens: int = 96
     shortest: bool = False  # pick the shortest held-out prompts (--quick)
@@ -93,6 +94,10 @@ class BenchConfig:
             check_range("--k", k, 1)
         for translation in self.translations:
             check_choice("--translation", translation, ("text", "tokens"))
+        for sampling in self.samplings:
+            check_choice("--sampling", sampling, ("exact", "omnidraft"))
+        if self.temp == 0 and self.samplings != ["exact"]:
+            raise OmniDraftError("--sampling compares sampled decoding: add --temp, e.g. --temp 0.7")
         for policy in self.policies:
             check_choice("--policy", policy, BENCH_POLICIES)
         for gamma in self.gammas:
@@ -119,7 +124,8 @@ class Method:
     name: str
     kind: str  # plain | ours | mlxlm
     k: int | None = None
-    translation: str | None = None
+    translation: str = "text"
+    sampling: str = "exact"
     policy: str = "fixed"
     gamma: float | None = None  # learned policy only; None = auto
     sources: tuple[str, ...] = ("drafter",)
@@ -129,27 +135,32 @@ class Method:
 def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
     """plain, then per source family: the drafter alone as `ours-*` (never guarded: the
     baseline), `lookup` and `fused-*` (with and/or without the guard: `-noguard`)."""
-    drafters = []  # (name, k, translation, policy, gamma)
+    # How a draft becomes target tokens: greedy by text or by tokens; sampled exactly or with
+    # n-gram merges. A same-vocabulary pair needs neither: one variant.
+    if cfg.temp == 0:
+        variants = [("" if t == "text" else f"-{t}", {"translation": t}) for t in cfg.translations]
+    else:
+        variants = [("" if s == "exact" else f"-{s}", {"sampling": s}) for s in cfg.samplings]
+    variants = variants[:1] if same_vocab else variants
+    drafters = []  # (name, k, variant fields, policy, gamma)
     for k in cfg.ks if cfg.fixed or not cfg.policies else []:
-        # A same-vocabulary pair needs no translation: one variant per k.
-        for tr in cfg.translations[:1] if same_vocab else cfg.translations:
-            drafters.append((f"k{k}" + ("" if tr == "text" else f"-{tr}"), k, tr, "fixed", None))
+        drafters += [(f"k{k}{suffix}", k, fields, "fixed", None) for suffix, fields in variants]
     # Adaptive policies start from (and, untrained, behave like) the largest k.
     for p in cfg.policies:
         for g in cfg.gammas if p == "learned" else [None]:
             name = p + (f"-g{'auto' if g is None else f'{g:g}'}" if p == "learned" and len(cfg.gammas) > 1 else "")
-            drafters.append((name, max(cfg.ks), cfg.translations[0], p, g))
+            drafters += [(name + suffix, max(cfg.ks), fields, p, g) for suffix, fields in variants]
     methods = [Method("plain", "plain")]
     for family in cfg.sources:
         sources = BENCH_SOURCES[family]
         for guard in [False] if family == "drafter" else cfg.guards:
             tag = "-noguard" if family != "drafter" and not guard else ""
             if family == "lookup":
-                methods.append(Method(f"lookup{tag}", "ours", max(cfg.ks), cfg.translations[0], sources=sources, guard=guard))
+                methods.append(Method(f"lookup{tag}", "ours", max(cfg.ks), sources=sources, guard=guard))
                 continue
             prefix = "ours" if family == "drafter" else "fused"
-            methods += [Method(f"{prefix}-{name}{tag}", "ours", k, tr, p, g, sources, guard)
-                        for name, k, tr, p, g in drafters if family == "drafter" or p != "oracle"]
+            methods += [Method(f"{prefix}-{name}{tag}", "ours", k, policy=p, gamma=g, sources=sources, guard=guard, **fields)
+                        for name, k, fields, p, g in drafters if family == "drafter" or p != "oracle"]
     if same_vocab and cfg.mlx_lm:
         methods += [Method(f"mlxlm-k{k}", "mlxlm", k) for k in cfg.ks]
     return methods
@@ -240,8 +251,8 @@ def _run_plain(pair, target_ids: list[int], max_tokens: int, temp: float, seed: 
 def _run_ours(pair, draft_ids, target_ids, method: Method, run: Decoding, policy: DraftPolicy,
               scheduler: Scheduler | None) -> dict:
     stats = SpecStats()
-    cfg = SpecConfig(k=method.k, max_tokens=run.max_tokens, translation=method.translation, temp=run.temp,
-                     seed=run.seed, sources=method.sources, guard=method.guard)
+    cfg = SpecConfig(k=method.k, max_tokens=run.max_tokens, translation=method.translation, sampling=method.sampling,
+                     temp=run.temp, seed=run.seed, sources=method.sources, guard=method.guard)
     out = []
     # The history index is read, never learned into: runs stay reproducible.
     for new, _ in speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy, history=run.history,
@@ -330,7 +341,7 @@ def run_one(pair, method: Method, prompt: Prompt, run: Decoding, policy: DraftPo
     tokens = len(result["output"])
     record = {
         "prompt_id": prompt.id, "task": prompt.task, "method": method.name, "kind": method.kind,
-        "k": method.k, "translation": method.translation, "policy": method.policy,
+        "k": method.k, "translation": method.translation, "sampling": method.sampling, "policy": method.policy,
         "prompt_tokens": len(target_ids),
         "tokens": tokens, "proposed": None, "accepted": None, "draft_forwards": None,
         "ngram_hits": None, "round_ends": None, "by_source": None, **result,

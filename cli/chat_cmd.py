@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 
+from omnidraft_mlx.cli import options
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -78,6 +79,8 @@ def chat(
     show_draft: bool = typer.Option(False, "--show-draft", help="Colour the tokens that came from the drafter."),
     adapt: bool = typer.Option(True, "--adapt/--no-adapt", help="Update the drafter from the replies (pause with /adapt off)."),
     adapt_every: int = typer.Option(4, "--adapt-every", help="Replies gathered per drafter update."),
+    source: str = options.SOURCE,
+    no_guard: bool = options.NO_GUARD,
     no_profile: bool = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile."),
 ) -> None:
     """Chat with TARGET, DRAFT speculating; the pair learns from the conversation."""
@@ -92,7 +95,7 @@ def chat(
 
     # The settings check themselves (one-line errors), before any model loads.
     cfg = ChatConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed, context=context,
-                     adapt=adapt, adapt_every=adapt_every)
+                     adapt=adapt, adapt_every=adapt_every, sources=source, guard=not no_guard)
     policy_cfg = PolicyConfig(name=check_policy(policy), k=k, max_k=max(k, PolicyConfig.max_k), gamma=parse_gamma(gamma))
     warn_if_slow_blas(err_console)
     with console.status(f"loading {draft} and {target}"):

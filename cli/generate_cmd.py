@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.text import Text
 
-from omnidraft_mlx.drafts import SOURCES
+from omnidraft_mlx.cli import options
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy, parse_gamma
 from omnidraft_mlx.textstream import TextStream
@@ -61,8 +61,8 @@ def generate(
     policy: str = typer.Option("learned", "--policy", help="Draft length: learned (default: fixed --k until its head has learned; saved in the profile), fixed, confidence or heuristic."),
     gamma: str = typer.Option("auto", "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this; auto: set from the measured drafter and target costs."),
     max_k: int = typer.Option(8, "--max-k", help="Adaptive policies: most draft tokens per round."),
-    source: str = typer.Option(",".join(SOURCES), "--source", help="Draft sources to choose from each round, comma-separated: drafter (the model), context (lookup in the prompt and reply), history (lookup in earlier replies)."),
-    no_guard: bool = typer.Option(False, "--no-guard", help="Always draft (for measurements); by default the loop decodes plainly while no source is expected to pay."),
+    source: str = options.SOURCE,
+    no_guard: bool = options.NO_GUARD,
     show_draft: bool = typer.Option(False, "--show-draft", help="Colour the tokens that came from the drafter."),
     no_profile: bool = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the generated text."),

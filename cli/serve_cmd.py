@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from omnidraft_mlx.cli import options
 from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from omnidraft_mlx.promptcache import DEFAULT_CACHE_BYTES
 
@@ -29,6 +30,8 @@ def serve(
     max_tokens: int = typer.Option(512, "--max-tokens", help="Reply length when a request does not say."),
     adapt: bool = typer.Option(True, "--adapt/--no-adapt", help="Update the drafter from the replies, between requests."),
     adapt_every: int = typer.Option(4, "--adapt-every", help="Replies gathered per drafter update."),
+    source: str = options.SOURCE,
+    no_guard: bool = options.NO_GUARD,
     no_profile: bool = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile."),
 ) -> None:
     """Serve TARGET, DRAFT speculating, over the OpenAI HTTP API (/v1/chat/completions, /v1/completions)."""
@@ -41,7 +44,8 @@ def serve(
     # The settings check themselves (one-line errors), before any model loads.
     check_range("--port", port, 1, 65535)
     policy_cfg = PolicyConfig(name=check_policy(policy), k=k, max_k=max(k, PolicyConfig.max_k), gamma=parse_gamma(gamma))
-    cfg = ServeConfig(draft, target, policy_cfg, max_tokens, cache_bytes, adapt, adapt_every, not no_profile, api_key)
+    cfg = ServeConfig(draft, target, policy_cfg, max_tokens, cache_bytes, adapt, adapt_every, not no_profile, api_key,
+                      source, not no_guard)
     warn_if_slow_blas(err_console)
 
     def ready(engine) -> None:

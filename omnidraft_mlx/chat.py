@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.drafts import SOURCES, check_sources
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.lookup import HistoryIndex
 from omnidraft_mlx.scheduler import Scheduler
@@ -42,8 +43,11 @@ class ChatConfig:
     context: int | None = None  # cap on prompt + reply tokens; default the models' limit
     adapt: bool = True  # drafter updates from the replies (when a learner is attached)
     adapt_every: int = 4  # replies gathered per drafter update
+    sources: tuple[str, ...] = SOURCES  # draft sources to choose from each round
+    guard: bool = True  # decode plainly while no source is expected to pay
 
     def __post_init__(self):
+        self.sources = check_sources(self.sources)
         check_range("--k", self.k, 1)
         check_range("--temp", self.temp, 0.0)
         check_range("--top-p", self.top_p, 0.0, 1.0, open_low=True)
@@ -222,7 +226,8 @@ class ChatSession:
     def stream(self, reply: Reply) -> Iterator[tuple[str, bool]]:
         """Yield (text, drafted) per accepted target token, as verification commits them."""
         cfg = SpecConfig(k=self.cfg.k, temp=self.cfg.temp, top_p=self.cfg.top_p,
-                         max_tokens=reply.max_tokens, seed=self.cfg.seed + self.replies)
+                         max_tokens=reply.max_tokens, seed=self.cfg.seed + self.replies,
+                         sources=self.cfg.sources, guard=self.cfg.guard)
         out = TextStream(self.pair.vmap.target_bytes)
         start = time.perf_counter()
         try:

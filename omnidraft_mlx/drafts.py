@@ -12,6 +12,9 @@ from typing import Callable
 
 import numpy as np
 
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.settings import check_choice
+
 
 @dataclass
 class Context:
@@ -75,3 +78,14 @@ class DraftSource:
 
 SOURCES = ("drafter", "context", "history")  # the kinds of draft source
 PLAIN = "plain"  # a round without a draft: one plain decoding step through the same loop
+
+
+def check_sources(sources: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The sources of a --source value ("drafter,context") or tuple, checked."""
+    if isinstance(sources, str):
+        sources = tuple(s.strip() for s in sources.split(",") if s.strip())
+    if not sources:
+        raise OmniDraftError(f"--source needs at least one of {', '.join(SOURCES)}")
+    for source in sources:
+        check_choice("--source", source, SOURCES)
+    return tuple(sources)

@@ -39,6 +39,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
+from omnidraft_mlx.drafts import SOURCES, check_sources
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
 from omnidraft_mlx.promptcache import DEFAULT_CACHE_BYTES, CacheUse, PromptCache
@@ -62,8 +63,11 @@ class ServeConfig:
     adapt_every: int = 4  # replies gathered per drafter update
     profile: bool = True  # load and save the pair's profile
     api_key: str | None = None
+    sources: tuple[str, ...] = SOURCES  # draft sources to choose from each round
+    guard: bool = True  # decode plainly while no source is expected to pay
 
     def __post_init__(self):
+        self.sources = check_sources(self.sources)
         check_range("--max-tokens", self.max_tokens, 1)
         check_range("--cache-bytes", self.cache_bytes, 0)
         check_range("--adapt-every", self.adapt_every, 1)
@@ -383,7 +387,8 @@ class Engine:
         max_tokens = req.max_completion_tokens or req.max_tokens or self.cfg.max_tokens
         seed = req.seed if req.seed is not None else (secrets.randbits(31) if req.temperature > 0 else 0)
         spec = SpecConfig(k=self.cfg.policy.k, temp=req.temperature, top_p=req.top_p, seed=seed,
-                          max_tokens=min(max_tokens, room) if room is not None else max_tokens)
+                          max_tokens=min(max_tokens, room) if room is not None else max_tokens,
+                          sources=self.cfg.sources, guard=self.cfg.guard)
         return Job(draft_ids, target_ids, spec, stop_strings(req), loop, asyncio.Queue())
 
 

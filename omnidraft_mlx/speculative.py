@@ -21,8 +21,7 @@ import numpy as np
 from mlx_lm.sample_utils import apply_top_p
 
 from omnidraft_mlx.drafter import DrafterSource, softmax
-from omnidraft_mlx.drafts import SOURCES, Context, Draft
-from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.drafts import SOURCES, Context, Draft, check_sources
 from omnidraft_mlx.kvcache import KVSlot
 from omnidraft_mlx.lookup import ContextLookup, HistoryIndex, HistorySource
 from omnidraft_mlx.pair import Pair
@@ -46,18 +45,13 @@ class SpecConfig:
     lookup_len: int = 8  # most tokens a lookup proposes
 
     def __post_init__(self):
-        if isinstance(self.sources, str):
-            self.sources = tuple(s.strip() for s in self.sources.split(",") if s.strip())
+        self.sources = check_sources(self.sources)
         check_range("--k", self.k, 1)
         check_range("--temp", self.temp, 0)
         check_range("--top-p", self.top_p, 0, 1, open_low=True)
         check_range("--max-tokens", self.max_tokens, 1)
         check_choice("--translation", self.translation, ("text", "tokens"))
         check_choice("--sampling", self.sampling, ("exact", "omnidraft"))
-        if not self.sources:
-            raise OmniDraftError(f"--source needs at least one of {', '.join(SOURCES)}")
-        for source in self.sources:
-            check_choice("--source", source, SOURCES)
         check_range("--lookup-len", self.lookup_len, 1)
 
 

@@ -146,10 +146,13 @@ def test_bench_sampled_runs_compare_by_distribution(tiny_dirs, home, tmp_path):
     out = tmp_path / "out"
     r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--task", "code",
                "--source", "drafter,fused", "--k", "3", "--temp", "0.7", "--seed", "3", "--prompts", "2",
-               "--max-tokens", "12", "--out", str(out))
+               "--sampling", "exact,omnidraft", "--max-tokens", "12", "--out", str(out))
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
-    assert {r["method"] for r in result["records"]} == {"plain", "ours-k3", "fused-k3"}
+    assert {r["method"] for r in result["records"]} == {"plain", "ours-k3", "ours-k3-omnidraft", "fused-k3",
+                                                        "fused-k3-omnidraft"}
+    modes = {m["name"]: m["sampling"] for m in result["config"]["methods"]}
+    assert modes["ours-k3"] == "exact" and modes["fused-k3-omnidraft"] == "omnidraft"
     assert all(r["equal_to_plain"] is None and r["mismatch"] is None for r in result["records"])
     assert "n/a" in (out / "summary.md").read_text()
 
@@ -219,6 +222,8 @@ def test_speedup_is_the_median_of_per_prompt_ratios():
     (["--k", "three"], "comma-separated integers"),
     (["--policy", "learned", "--gamma", "half"], "--gamma takes a probability between 0 and 1 or 'auto'"),
     (["--translation", "bytes"], "unknown --translation"),
+    (["--temp", "0.7", "--sampling", "fast"], "unknown --sampling 'fast'"),
+    (["--sampling", "omnidraft"], "--sampling compares sampled decoding: add --temp"),
     (["--forward-cost", ","], "needs model names"),
 ])
 def test_bad_input_is_one_clear_error(tiny_dirs, args, message):

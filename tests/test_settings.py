@@ -12,6 +12,7 @@ from omnidraft_mlx.chat import ChatConfig
 from omnidraft_mlx.distill import DistillConfig
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.policy import PolicyConfig
+from omnidraft_mlx.server import ServeConfig
 from omnidraft_mlx.settings import check_choice, check_range
 from omnidraft_mlx.speculative import SpecConfig
 
@@ -69,6 +70,10 @@ def test_chat_and_bench_reject_bad_settings(pair_dirs, tmp_path):
     assert "--top-p must be above 0.0 and at most 1.0 (got 7.0)" in one_line_error(chat)
     chat = omnidraft(tmp_path, "chat", "--draft", draft, "--target", target, "--context", "10")
     assert "--context must be at least 64 (got 10)" in one_line_error(chat)
+    chat = omnidraft(tmp_path, "chat", "--draft", draft, "--target", target, "--source", "drafter,ngram")
+    assert "unknown --source 'ngram': use one of drafter, context, history" in one_line_error(chat)
+    serve = omnidraft(tmp_path, "serve", "--draft", draft, "--target", target, "--source", ",")
+    assert "--source needs at least one of drafter, context, history" in one_line_error(serve)
     bench = omnidraft(tmp_path, "bench", "--draft", draft, "--target", target, "--k", "0,3")
     assert "--k must be at least 1 (got 0)" in one_line_error(bench)
     bench = omnidraft(tmp_path, "bench", "--draft", draft, "--target", target, "--task", "poetry")
@@ -82,6 +87,8 @@ def test_chat_and_bench_reject_bad_settings(pair_dirs, tmp_path):
     (lambda: SpecConfig(max_tokens=0), "--max-tokens"),
     (lambda: ChatConfig(temp=-1.0), "--temp"),
     (lambda: ChatConfig(adapt_every=0), "--adapt-every"),
+    (lambda: ChatConfig(sources="drafter,lookup"), "--source"),
+    (lambda: ServeConfig("d", "t", sources=()), "--source"),
     (lambda: PolicyConfig(name="greedy"), "--policy"),
     (lambda: PolicyConfig(name="learned", k=4, max_k=2), "--max-k"),
     (lambda: PolicyConfig(gamma=-0.1), "--gamma"),
