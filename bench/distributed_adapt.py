@@ -43,6 +43,11 @@ def fresh_home(path: Path) -> Path:
     return path
 
 
+def local(text: str) -> str:
+    """Text without this machine's paths: the environment's scripts and the checkout."""
+    return text.replace(str(Path(sys.executable).parent) + "/", "").replace(str(Path.cwd()) + "/", "")
+
+
 def command(args, ranks: int) -> list[str]:
     adapt = [sys.executable, "-m", "omnidraft_mlx.cli.main", "adapt", "--task", args.task, "--mode", "batch",
              "--draft", args.draft, "--target", args.target, "--max-prompts", str(args.prompts),
@@ -63,10 +68,10 @@ def run(args, ranks: int) -> dict:
     if out.returncode or not acc or not progress:
         sys.exit(f"ranks={ranks}: adapt failed (exit {out.returncode})\n{out.stderr[-3000:]}")
     prompts, per_minute = progress[-1]
-    return {"ranks": ranks, "command": shlex.join(cmd), "prompts": int(prompts), "prompts_per_min": float(per_minute),
+    return {"ranks": ranks, "command": local(shlex.join(cmd)), "prompts": int(prompts), "prompts_per_min": float(per_minute),
             "acceptance_before": float(acc[1]), "acceptance_after": float(acc[2]),
             "tokens_per_forward_before": float(acc[3]), "tokens_per_forward_after": float(acc[4]),
-            "wall_s": round(wall, 1), "progress": out.stderr.count("prompts/min"), "stdout": out.stdout}
+            "wall_s": round(wall, 1), "progress": out.stderr.count("prompts/min"), "stdout": local(out.stdout)}
 
 
 def main() -> None:
