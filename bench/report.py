@@ -138,7 +138,8 @@ def pair_name(cfg: dict) -> str:
 
 def title_of(result: dict) -> str:
     cfg, env = result["config"], result["environment"]
-    return (f"{pair_name(cfg)}, greedy, {cfg['max_tokens']} tokens, "
+    decoding = f"temperature {cfg['temp']:g}, seed {cfg['seed']}" if cfg.get("temp") else "greedy"
+    return (f"{pair_name(cfg)}, {decoding}, {cfg['max_tokens']} tokens, "
             f"{len(cfg['prompt_ids'])} prompts ({env['blas']}, mlx {env['mlx']}, mlx-lm {env['mlx_lm']})")
 
 
