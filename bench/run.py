@@ -47,7 +47,7 @@ from omnidraft_mlx.drafter import output_head
 from omnidraft_mlx.kvcache import prefill
 from omnidraft_mlx.drafts import SOURCES
 from omnidraft_mlx.scheduler import Scheduler
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.speculative import SAMPLING_MODES, SpecConfig, SpecStats, speculative_generate
 
 WARMUP_PROMPT = "Say hello."
 BENCH_POLICIES = (*POLICIES[1:], "oracle")  # adaptive policies to compare; the oracle is a bound
@@ -95,7 +95,7 @@ class BenchConfig:
         for translation in self.translations:
             check_choice("--translation", translation, ("text", "tokens"))
         for sampling in self.samplings:
-            check_choice("--sampling", sampling, ("exact", "omnidraft"))
+            check_choice("--sampling", sampling, SAMPLING_MODES)
         if self.temp == 0 and self.samplings != ["exact"]:
             raise OmniDraftError("--sampling compares sampled decoding: add --temp, e.g. --temp 0.7")
         for policy in self.policies:

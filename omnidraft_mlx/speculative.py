@@ -29,6 +29,8 @@ from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
 from omnidraft_mlx.scheduler import Scheduler
 from omnidraft_mlx.settings import check_choice, check_range
 
+SAMPLING_MODES = ("exact", "omnidraft")  # exact: direct maps only, provably lossless; omnidraft: + n-grams
+
 
 @dataclass
 class SpecConfig:
@@ -51,7 +53,7 @@ class SpecConfig:
         check_range("--top-p", self.top_p, 0, 1, open_low=True)
         check_range("--max-tokens", self.max_tokens, 1)
         check_choice("--translation", self.translation, ("text", "tokens"))
-        check_choice("--sampling", self.sampling, ("exact", "omnidraft"))
+        check_choice("--sampling", self.sampling, SAMPLING_MODES)
         check_range("--lookup-len", self.lookup_len, 1)
 
 
