@@ -200,11 +200,9 @@ def summarize(records: list) -> dict:
 
 
 def phase_report(args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    from omnidraft_mlx.bench.plots import plt, save_figure
 
     before, after = (json.loads((args.out / f"{p}.json").read_text()) for p in ("before", "after"))
     stream_log = json.loads((args.out / "stream.json").read_text())
@@ -254,8 +252,7 @@ def phase_report(args) -> None:
     bx.set_xticks(np.arange(len(bars)) + 0.2, [b[0] for b in bars], fontsize=8)
     bx.set_ylabel("held-out acceptance")
     bx.legend()
-    fig.tight_layout()
-    fig.savefig(args.out / "acceptance.png", dpi=120)
+    save_figure(fig, args.out / "acceptance.png")
     print(json.dumps({k: v for k, v in summary.items() if k != "environment"}, indent=1))
 
 

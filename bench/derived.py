@@ -117,10 +117,7 @@ def summarize(records: list) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from omnidraft_mlx.bench.plots import plt, save_figure
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     cost = result["cost_ms"]
@@ -164,9 +161,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("speedup over plain (numbers: acceptance)")
     ax.legend(fontsize=7)
     ax.set_title(f"target {Path(result['target']).name}, {len(result['prompt_ids'])} prompts, greedy", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:

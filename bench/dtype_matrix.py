@@ -56,11 +56,9 @@ def table(cells: list[dict]) -> str:
 
 
 def plot(cells: list[dict], dtypes: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    from omnidraft_mlx.bench.plots import plt, save_figure
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     for ax, key, title in zip(axes, ("acceptance", "tokens_per_forward"), ("acceptance", "tokens per target forward")):
@@ -75,9 +73,7 @@ def plot(cells: list[dict], dtypes: list[str], path: Path) -> None:
         ax.set_xlabel("target dtype")
         ax.set_ylabel("drafter dtype")
         ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:

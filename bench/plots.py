@@ -40,7 +40,7 @@ def plot_speedup(result: dict, path: Path) -> None:
     ax.set_ylabel("speedup over plain (median, IQR)")
     ax.set_title(_title(result), fontsize=9)
     ax.legend(fontsize=8, ncol=2)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _families(methods: list[str], result: dict) -> dict[str, list[tuple[int, str]]]:
@@ -74,7 +74,7 @@ def plot_k_sweep(result: dict, path: Path) -> None:
         ax.xaxis.get_major_locator().set_params(integer=True)
     axes[0].legend(fontsize=7)
     fig.suptitle(_title(result), fontsize=9)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_time_split(result: dict, path: Path) -> None:
@@ -101,7 +101,7 @@ def plot_time_split(result: dict, path: Path) -> None:
     fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(_title(result), fontsize=9)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_gamma(result: dict, path: Path) -> None:
@@ -130,7 +130,7 @@ def plot_gamma(result: dict, path: Path) -> None:
         ax.set_xlabel("gamma (stop drafting when P(a rejection) > gamma)")
     axes[0].legend(fontsize=7)
     fig.suptitle(_title(result), fontsize=9)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def _title(result: dict) -> str:
@@ -138,7 +138,7 @@ def _title(result: dict) -> str:
     return f"{pair_name(cfg)} ({len(cfg['prompt_ids'])} prompts, {cfg['max_tokens']} tokens, greedy)"
 
 
-def _save(fig, path: Path) -> None:
+def save_figure(fig, path: Path) -> None:
     if not fig.get_layout_engine():
         fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -229,7 +229,7 @@ def print_table(report: dict) -> None:
 
 def plot(report: dict, path: Path) -> None:
     """Replayed speedup against gamma per task, with the best fixed length and the oracle."""
-    from omnidraft_mlx.bench.plots import _save, plt
+    from omnidraft_mlx.bench.plots import plt, save_figure
 
     tasks = list(dict.fromkeys(r["task"] for r in report["rows"]))
     fig, ax = plt.subplots(figsize=(7, 5))
@@ -247,7 +247,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_title(f"policy replay: {report['bench']}", fontsize=8)
     fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=7)
     fig.tight_layout(rect=(0, 0.2, 1, 1))
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -34,11 +34,15 @@ class LookupSource(DraftSource):
     def draft(self, tokens: list[int], match: int) -> Draft | None:
         """A draft of looked-up tokens that adapts the next draft's length to how it fares."""
 
+        if not tokens:
+            return None
+
         def settle(accepted: int, timing: dict) -> None:
-            held = accepted == len(tokens)
+            held = accepted == len(draft.tokens)  # as verified: the loop may have cut the draft short
             self.length = min(4 * self.max_len, 2 * self.length) if held else self.max_len
 
-        return Draft(tokens, f"{self.name}:{match}", settle=settle) if tokens else None
+        draft = Draft(tokens, f"{self.name}:{match}", settle=settle)
+        return draft
 
 
 class ContextLookup(LookupSource):
