@@ -19,7 +19,6 @@ import copy
 import json
 import time
 from dataclasses import replace
-from itertools import chain, zip_longest
 from pathlib import Path
 
 from omnidraft_mlx.bench.report import record_speedup
@@ -47,8 +46,7 @@ def adapt_stream() -> list:
     (each prompt with its reference answer, which only text mode reads)."""
     from omnidraft_mlx.adapt import task_corpus
 
-    per_task = [task_corpus(t, "adapt") for t in TASKS]  # then the longer task's rest (math: 1,000; code: 100)
-    return [s for s in chain.from_iterable(zip_longest(*per_task)) if s is not None]
+    return task_corpus(",".join(TASKS), "adapt")
 
 
 def evaluate(conditions: dict, prompts: list, k: int, max_tokens: int) -> list[dict]:

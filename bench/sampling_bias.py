@@ -141,6 +141,7 @@ def position_checks(target, prompt_ids: list[int], reply: list[int], ended: bool
 def check_bench(bench_dir: str) -> dict:
     """Every reply of a sampled bench run checked token by token against the target (see the top)."""
     from omnidraft_mlx.bench.run import BenchConfig, load_pair, select_prompts
+    from omnidraft_mlx.pair import vocab_size
 
     result = json.loads((Path(bench_dir) / "bench.json").read_text())
     cfg = result["config"]
@@ -152,7 +153,7 @@ def check_bench(bench_dir: str) -> dict:
     prompts = {p.id: p for p in select_prompts(bench, pair)}
     eos = sorted(set(pair.target_tok.eos_token_ids) | {pair.vmap.target_eos})
     direct = pair.vmap.draft_to_target[pair.vmap.draft_to_target >= 0]
-    category = np.ones(len(pair.vmap.target_bytes))
+    category = np.ones(vocab_size(pair.target))
     category[direct] = 0.0
     category[eos] = 0.0
     top_p = cfg.get("top_p", 1.0)

@@ -27,6 +27,7 @@ import copy
 import json
 import time
 from dataclasses import dataclass, field, replace
+from itertools import chain, zip_longest
 from pathlib import Path
 from typing import Callable
 
@@ -110,15 +111,18 @@ def read_corpus(path: str | Path) -> list[Sample]:
     return samples
 
 
-def task_corpus(task: str, split: str = "adapt") -> list[Sample]:
+def task_corpus(tasks: str, split: str = "adapt") -> list[Sample]:
     """A benchmark split as conversations: each prompt, with the dataset's reference
     answer as the reply where it has one (stream mode answers the prompt itself;
-    text mode learns from the reference)."""
+    text mode learns from the reference). Several tasks ("code,math,chat") are
+    interleaved while they last, then the longer ones' rest (math: 1,000; code: 100)."""
     from omnidraft_mlx.tasks import load_task
 
+    per_task = [load_task(task.strip(), split) for task in tasks.split(",")]
+    prompts = [p for p in chain.from_iterable(zip_longest(*per_task)) if p is not None]
     return [Sample(messages=user_messages(p.text) + ([{"role": "assistant", "content": p.reference}]
                                                       if p.reference else []))
-            for p in load_task(task, split)]
+            for p in prompts]
 
 
 def asked(messages: list[dict]) -> list[dict]:

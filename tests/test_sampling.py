@@ -7,8 +7,10 @@ The same test must catch a deliberately biased variant, or it proves nothing."""
 import pytest
 
 import omnidraft_mlx.speculative as spec
-from omnidraft_mlx.bench.sampling_bias import exact_sequence_probs, fit, sample_sequences
-from omnidraft_mlx.pair import make_pair
+import numpy as np
+
+from omnidraft_mlx.bench.sampling_bias import exact_sequence_probs, fit, position_checks, sample_sequences
+from omnidraft_mlx.pair import make_pair, vocab_size
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 
 LENGTH, TEMP, TOP_P, SAMPLES = 3, 1.0, 0.95, 1500
@@ -49,3 +51,21 @@ def test_biased_variant_is_caught(setup, monkeypatch):
     counts, _ = sample()
     pvalue, _ = fit(counts, expected)
     assert pvalue < 1e-3, f"the test failed to detect a biased sampler (p={pvalue:.2g})"
+
+
+def test_position_checks_score_each_token_where_the_target_sampled_it(tiny):
+    """The check `sampling_bias --bench` runs on real pairs: its per-token log-probabilities
+    add up to the sequence probabilities enumerated exactly, ended replies included."""
+    (tm, tt) = tiny["target"]
+    tp = encode_prompt(tt, user_messages("def add_"), True)
+    eos = sorted(set(tt.eos_token_ids))
+    expected = exact_sequence_probs(tm, tp, set(eos), LENGTH, TEMP, TOP_P)
+    everything = np.ones(vocab_size(tm))
+    everything[eos] = 0.0
+    for reply in sorted(expected, key=expected.get, reverse=True)[:5]:
+        checks = position_checks(tm, tp, list(reply), len(reply) < LENGTH, TEMP, TOP_P, eos, everything)
+        assert np.isclose(checks[:, 2].sum(), np.log(expected[reply]), atol=1e-3)
+        # Every token is "in the category" here: expected counts are 1 - P(end).
+        assert checks[: len(reply), 0].sum() == len(reply)
+        assert np.all((checks[:, 1] > 0) & (checks[:, 1] <= 1 + 1e-6))
+        assert np.all(checks[:, 4] >= -1e-9)  # variances
