@@ -13,15 +13,19 @@ Methods:
   as text (default) or token by token;
 - `mlxlm-k{k}`: mlx-lm's own speculative decoding (same-vocabulary pairs only).
 
-All greedy. Timing follows the engine's split: `ttft_s` is prompt processing
-(both models), `generate_s` everything after it; tokens/s counts generated
-tokens over `generate_s`. Greedy outputs must equal plain decoding token for
+Timing follows the engine's split: `ttft_s` is prompt processing (both
+models), `generate_s` everything after it; tokens/s counts generated tokens
+over `generate_s`. The target processes each prompt once (`prompt_s`) and every
+method decodes from a copy of that cache: the work is the same for all of them,
+and on long prompts or slow formats it was most of a run. A method's `ttft_s`
+is that prefill plus its own (the drafter's, and plain's first forward). Greedy outputs must equal plain decoding token for
 token; where one does not, the record keeps the first differing position and
 the target's top-2 logit gap there (a tiny gap is a float near-tie).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import time
@@ -44,7 +48,7 @@ from omnidraft_mlx.profile import load_head
 from omnidraft_mlx.settings import check_choice, check_range
 from omnidraft_mlx.prompts import encode_prompt
 from omnidraft_mlx.drafter import output_head
-from omnidraft_mlx.kvcache import prefill
+from omnidraft_mlx.kvcache import KVSlot, prefill
 from omnidraft_mlx.drafts import SOURCES
 from omnidraft_mlx.scheduler import Scheduler
 from omnidraft_mlx.speculative import SAMPLING_MODES, SpecConfig, SpecStats, speculative_generate
@@ -236,10 +240,29 @@ def rotated(methods: list, i: int) -> list:
 # --- one decode per method -------------------------------------------------
 
 
-def _run_plain(pair, target_ids: list[int], max_tokens: int, temp: float, seed: int) -> dict:
+@dataclass
+class TargetPrefix:
+    """The target's cache over a prompt but its last token, and the seconds it took."""
+
+    slot: KVSlot
+    seconds: float
+
+    @classmethod
+    def of(cls, pair, target_ids: list[int]) -> "TargetPrefix":
+        start = time.perf_counter()
+        slot = KVSlot.fresh(pair.target)
+        slot.extend(pair.target, target_ids[:-1])
+        return cls(slot, time.perf_counter() - start)
+
+    def copy(self) -> KVSlot:
+        """A slot of its own for one method (decoding writes into the cache)."""
+        return KVSlot(copy.deepcopy(self.slot.cache), list(self.slot.tokens))
+
+
+def _run_plain(pair, target: KVSlot, target_ids: list[int], max_tokens: int, temp: float, seed: int) -> dict:
     stats = PlainStats()
-    out = list(plain_generate(pair.target, pair.target_tok, target_ids, stats, temp=temp, max_tokens=max_tokens,
-                             seed=seed))
+    out = list(plain_generate(pair.target, pair.target_tok, target_ids[len(target.tokens) :], stats, temp=temp,
+                              max_tokens=max_tokens, seed=seed, prompt_cache=target.cache))
     return {
         "output": out, "ttft_s": stats.prefill_s, "generate_s": stats.generate_s,
         "tokens_per_s": stats.tokens_per_s, "rounds": len(out),
@@ -248,7 +271,7 @@ def _run_plain(pair, target_ids: list[int], max_tokens: int, temp: float, seed: 
     }
 
 
-def _run_ours(pair, draft_ids, target_ids, method: Method, run: Decoding, policy: DraftPolicy,
+def _run_ours(pair, target: KVSlot, draft_ids, target_ids, method: Method, run: Decoding, policy: DraftPolicy,
               scheduler: Scheduler | None) -> dict:
     stats = SpecStats()
     cfg = SpecConfig(k=method.k, max_tokens=run.max_tokens, translation=method.translation, sampling=method.sampling,
@@ -256,7 +279,7 @@ def _run_ours(pair, draft_ids, target_ids, method: Method, run: Decoding, policy
     out = []
     # The history index is read, never learned into: runs stay reproducible.
     for new, _ in speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy, history=run.history,
-                                       learn_history=False, scheduler=scheduler):
+                                       target_slot=target, learn_history=False, scheduler=scheduler):
         out += new
         if isinstance(policy, OraclePolicy):
             policy.advance(new)
@@ -270,13 +293,12 @@ def _run_ours(pair, draft_ids, target_ids, method: Method, run: Decoding, policy
     }
 
 
-def _run_mlxlm(pair, target_ids: list[int], k: int, max_tokens: int) -> dict:
+def _run_mlxlm(pair, target: KVSlot, target_ids: list[int], k: int, max_tokens: int) -> dict:
     """mlx-lm's speculative decoding, with the prompt processed apart (as in ours)."""
     from mlx_lm.generate import stream_generate
 
     start = time.perf_counter()
-    caches = make_prompt_cache(pair.target), make_prompt_cache(pair.draft)
-    prefill(pair.target, caches[0], target_ids[:-1])
+    caches = target.cache, make_prompt_cache(pair.draft)
     prefill(pair.draft, caches[1], target_ids[:-1])
     ttft = time.perf_counter() - start
     start = time.perf_counter()
@@ -327,17 +349,20 @@ def first_mismatch(pair, target_ids: list[int], reference: list[int], output: li
 
 
 def run_one(pair, method: Method, prompt: Prompt, run: Decoding, policy: DraftPolicy | None = None,
-            scheduler: Scheduler | None = None) -> dict:
-    """One decode of prompt by method (its policy and scheduler carry over from its earlier decodes)."""
+            scheduler: Scheduler | None = None, prefix: TargetPrefix | None = None) -> dict:
+    """One decode of prompt by method (its policy and scheduler carry over from its earlier decodes),
+    from the target's prefill of the prompt (made here if not given)."""
     messages = prompt.messages()
     target_ids = encode_prompt(pair.target_tok, messages)
+    prefix = prefix or TargetPrefix.of(pair, target_ids)
     if method.kind == "plain":
-        result = _run_plain(pair, target_ids, run.max_tokens, run.temp, run.seed)
+        result = _run_plain(pair, prefix.copy(), target_ids, run.max_tokens, run.temp, run.seed)
     elif method.kind == "mlxlm":
-        result = _run_mlxlm(pair, target_ids, method.k, run.max_tokens)
+        result = _run_mlxlm(pair, prefix.copy(), target_ids, method.k, run.max_tokens)
     else:
         draft_ids = encode_prompt(pair.draft_tok, messages)
-        result = _run_ours(pair, draft_ids, target_ids, method, run, policy, scheduler)
+        result = _run_ours(pair, prefix.copy(), draft_ids, target_ids, method, run, policy, scheduler)
+    result["prompt_s"], result["ttft_s"] = prefix.seconds, prefix.seconds + result["ttft_s"]
     tokens = len(result["output"])
     record = {
         "prompt_id": prompt.id, "task": prompt.task, "method": method.name, "kind": method.kind,
@@ -455,15 +480,15 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         if cfg.time_limit_s is not None and time.perf_counter() - start > cfg.time_limit_s:
             prompts = prompts[:i]  # out of time: report the prompts every method finished
             break
-        done = {}
+        done, prefix = {}, TargetPrefix.of(pair, encode_prompt(pair.target_tok, prompt.messages()))
         for order, method in enumerate(rotated(methods, i)):
             if progress:
                 progress.update(task, description=f"{prompt.id} {method.name}")
             policy = policies.get(method.name)
             if isinstance(policy, OraclePolicy):  # show it the reply (plain's, or decoded now, untimed)
-                plain = done.get("plain") or run_one(pair, methods[0], prompt, run)
+                plain = done.get("plain") or run_one(pair, methods[0], prompt, run, prefix=prefix)
                 policy.start(plain["output"])
-            record = run_one(pair, method, prompt, run, policy, schedulers.get(method.name))
+            record = run_one(pair, method, prompt, run, policy, schedulers.get(method.name), prefix)
             record["order"] = order
             record["load_avg_1m"] = os.getloadavg()[0]  # other work on the machine, for drift
             done[method.name] = record

@@ -26,15 +26,16 @@ class PlainStats:
 
 def plain_generate(
     model, tokenizer, prompt_ids: list[int], stats: PlainStats,
-    temp: float = 0.0, top_p: float = 1.0, max_tokens: int = 256, seed: int = 0,
+    temp: float = 0.0, top_p: float = 1.0, max_tokens: int = 256, seed: int = 0, prompt_cache: list | None = None,
 ) -> Iterator[int]:
-    """Yield the target's own tokens one by one (mlx-lm's generate_step), stopping at eos."""
+    """Yield the target's own tokens one by one (mlx-lm's generate_step), stopping at eos.
+    Given a prompt_cache, prompt_ids are what follows the tokens it holds."""
     mx.random.seed(seed)
     sampler = make_sampler(temp, top_p if 0 < top_p < 1 else 0.0)
     eos = set(tokenizer.eos_token_ids)
     stats.prompt_tokens = len(prompt_ids)
     start = time.perf_counter()
-    steps = generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=sampler)
+    steps = generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=sampler, prompt_cache=prompt_cache)
     for token, _ in steps:
         token = int(token)
         now = time.perf_counter()

@@ -75,6 +75,8 @@ def check_records(result: dict, methods: list[str]) -> None:
             assert r["output"] == plain["output"]
             assert r["prompt_tokens"] == plain["prompt_tokens"]
             assert r["ttft_s"] > 0 and r["generate_s"] > 0 and r["tokens_per_s"] > 0
+            # The target processed the prompt once; each method's first token counts that prefill.
+            assert r["prompt_s"] == plain["prompt_s"] > 0 and r["ttft_s"] > r["prompt_s"]
             assert r["speedup"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])
             if r["kind"] == "plain":
                 continue
