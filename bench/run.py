@@ -80,7 +80,7 @@ class BenchConfig:
     sources: list[str] = field(default_factory=lambda: ["drafter"])  # BENCH_SOURCES: one family of methods each
     guards: list[bool] = field(default_factory=lambda: [True])  # lookup and fused methods: with the guard, without
     temp: float = 0.0  # > 0: sampled decoding (plain samples alike; outputs compared by distribution)
-    seed: int = 0
+    seed: int = 0  # prompt i samples with seed + i (every method alike)
     prompts_file: str | None = None  # the user's prompts (JSONL), task "file"
     fixed: bool = True  # drafter methods per --k (else only the --policy ones)
 
@@ -367,7 +367,7 @@ def run_one(pair, method: Method, prompt: Prompt, run: Decoding, policy: DraftPo
     record = {
         "prompt_id": prompt.id, "task": prompt.task, "method": method.name, "kind": method.kind,
         "k": method.k, "translation": method.translation, "sampling": method.sampling, "policy": method.policy,
-        "prompt_tokens": len(target_ids),
+        "prompt_tokens": len(target_ids), "seed": run.seed if run.temp else None,
         "tokens": tokens, "proposed": None, "accepted": None, "draft_forwards": None,
         "ngram_hits": None, "round_ends": None, "by_source": None, **result,
     }
@@ -481,14 +481,16 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
             prompts = prompts[:i]  # out of time: report the prompts every method finished
             break
         done, prefix = {}, TargetPrefix.of(pair, encode_prompt(pair.target_tok, prompt.messages()))
+        # A seed per prompt: with one seed, every prompt's replies would share their random draws.
+        prompt_run = replace(run, seed=cfg.seed + i)
         for order, method in enumerate(rotated(methods, i)):
             if progress:
                 progress.update(task, description=f"{prompt.id} {method.name}")
             policy = policies.get(method.name)
             if isinstance(policy, OraclePolicy):  # show it the reply (plain's, or decoded now, untimed)
-                plain = done.get("plain") or run_one(pair, methods[0], prompt, run, prefix=prefix)
+                plain = done.get("plain") or run_one(pair, methods[0], prompt, prompt_run, prefix=prefix)
                 policy.start(plain["output"])
-            record = run_one(pair, method, prompt, run, policy, schedulers.get(method.name), prefix)
+            record = run_one(pair, method, prompt, prompt_run, policy, schedulers.get(method.name), prefix)
             record["order"] = order
             record["load_avg_1m"] = os.getloadavg()[0]  # other work on the machine, for drift
             done[method.name] = record

@@ -19,6 +19,9 @@ vocabulary intersection (the ones only n-gram merges propose, so where the
 omnidraft mode's approximate correction acts) and the sum of log-probabilities,
 each against its expectation under the target's sampling. Lossless sampling
 leaves both differences at noise (|z| < 2 in 19 of 20 runs); a bias shifts them.
+The checks assume independent draws: bench samples prompt i with seed + i (on
+a run with one seed for all prompts, whose replies share their random draws,
+plain decoding itself read z = -2.1 and -3.2 on the log-probability check).
 
     ./run.sh python -m omnidraft_mlx.bench.sampling_bias --bench bench/results/sampled-0.7/DRAFT__TARGET
 """

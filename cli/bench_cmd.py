@@ -92,7 +92,7 @@ def bench(
     guard: str = typer.Option("on", "--guard", help="lookup and fused methods: on, off (suffix -noguard) or on,off."),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="Also your own prompts: JSONL, {\"prompt\": ...} or {\"messages\": [...]} per line (task \"file\")."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature for every method, plain included (0 = greedy; outputs then compared by distribution, not identity)."),
-    seed: int = typer.Option(0, "--seed", help="Random seed for sampled runs."),
+    seed: int = typer.Option(0, "--seed", help="Random seed for sampled runs (prompt i: seed + i)."),
     sampling: str = typer.Option("exact", "--sampling", help="Sampled runs: exact (lossless), omnidraft (+ n-gram merges, approximately lossless) or exact,omnidraft (suffix -omnidraft)."),
     fixed: bool = typer.Option(True, "--fixed/--no-fixed", help="With --policy: also the fixed-length methods (one per --k)."),
     k: str = typer.Option("3,4,5", "--k", "-k", help="Draft lengths to compare, comma-separated."),
