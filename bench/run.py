@@ -18,8 +18,8 @@ models), `generate_s` everything after it; tokens/s counts generated tokens
 over `generate_s`. The target processes each prompt once (`prompt_s`) and every
 method decodes from a copy of that cache: the work is the same for all of them,
 and on long prompts or slow formats it was most of a run. A method's `ttft_s`
-is that prefill plus its own (the drafter's, and plain's first forward). Greedy outputs must equal plain decoding token for
-token; where one does not, the record keeps the first differing position and
+is that prefill plus its own (the drafter's, and plain's first forward).
+Greedy outputs must equal plain decoding token for token; where one does not, the record keeps the first differing position and
 the target's top-2 logit gap there (a tiny gap is a float near-tie).
 """
 
@@ -480,7 +480,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         if cfg.time_limit_s is not None and time.perf_counter() - start > cfg.time_limit_s:
             prompts = prompts[:i]  # out of time: report the prompts every method finished
             break
-        done, prefix = {}, TargetPrefix.of(pair, encode_prompt(pair.target_tok, prompt.messages()))
+        target_ids = encode_prompt(pair.target_tok, prompt.messages())
+        done, prefix = {}, TargetPrefix.of(pair, target_ids)
         # A seed per prompt: with one seed, every prompt's replies would share their random draws.
         prompt_run = replace(run, seed=cfg.seed + i)
         for order, method in enumerate(rotated(methods, i)):
@@ -496,7 +497,6 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
             done[method.name] = record
             if progress:
                 progress.advance(task)
-        target_ids = encode_prompt(pair.target_tok, prompt.messages())
         plain = done["plain"]
         for method in methods:
             record = done[method.name]

@@ -131,14 +131,14 @@ def position_checks(target, prompt_ids: list[int], reply: list[int], ended: bool
     end-of-sequence tokens counted as one outcome (a reply records no end token)."""
     logits = target(mx.array(prompt_ids + reply)[None])[0, len(prompt_ids) - 1 :]
     p = target_probs(logits, temp, top_p)[: len(reply) + ended].astype(np.float64)
-    end = p[:, eos].sum(axis=1)
-    p[:, eos] = 0.0
-    emitted = [p[i, t] for i, t in enumerate(reply)] + ([end[-1]] if ended else [])
-    with np.errstate(divide="ignore", invalid="ignore"):
-        plogp = np.where(p > 0, p * np.log(p), 0.0).sum(axis=1) + np.where(end > 0, end * np.log(end), 0.0)
-        plog2p = np.where(p > 0, p * np.log(p) ** 2, 0.0).sum(axis=1) + np.where(end > 0, end * np.log(end) ** 2, 0.0)
-    observed = [category[t] for t in reply] + ([0.0] if ended else [])
-    return np.column_stack([observed, p @ category, np.log(emitted), plogp, plog2p - plogp**2])
+    outcomes = np.column_stack([p, p[:, eos].sum(axis=1)])  # the end: the last outcome
+    outcomes[:, eos] = 0.0
+    logs = np.log(outcomes, out=np.zeros_like(outcomes), where=outcomes > 0)
+    mean = (outcomes * logs).sum(axis=1)
+    emitted = reply + ([outcomes.shape[1] - 1] if ended else [])
+    category = np.append(category, 0.0)
+    return np.column_stack([category[emitted], outcomes @ category, logs[np.arange(len(emitted)), emitted], mean,
+                            (outcomes * logs**2).sum(axis=1) - mean**2])
 
 
 def check_bench(bench_dir: str) -> dict:
@@ -159,7 +159,7 @@ def check_bench(bench_dir: str) -> dict:
     category = np.ones(vocab_size(pair.target))
     category[direct] = 0.0
     category[eos] = 0.0
-    top_p = cfg.get("top_p", 1.0)
+    top_p = 1.0  # bench samples without nucleus truncation
     groups: dict[tuple[str, str], list[np.ndarray]] = {}
     for i, r in enumerate(result["records"]):
         ids = encode_prompt(pair.target_tok, prompts[r["prompt_id"]].messages())
