@@ -350,6 +350,7 @@ def test_adapt_command_resumes_and_profile_commands(tmp_path, tiny_dirs):
     first = omnidraft(*common, "--mode", "stream", "--max-prompts", "4", home=tmp_path)
     assert first.returncode == 0, first.stderr
     assert "position 4/6" in first.stdout and "held-out acceptance" in first.stdout
+    assert "evaluating on 2 held-out prompts (before)" in first.stderr  # a log file is told what the wait is
     streamed = int(re.search(r"acceptance head: (\d+) labelled",
                              omnidraft("profile", "show", *pair_args, home=tmp_path).stdout)[1])
     second = omnidraft(*common, "--rank", "8", home=tmp_path)  # resumes in batch mode, the default for prompts
