@@ -19,8 +19,9 @@ over `generate_s`. The target processes each prompt once (`prompt_s`) and every
 method decodes from a copy of that cache: the work is the same for all of them,
 and on long prompts or slow formats it was most of a run. A method's `ttft_s`
 is that prefill plus its own (the drafter's, and plain's first forward).
-Greedy outputs must equal plain decoding token for token; where one does not, the record keeps the first differing position and
-the target's top-2 logit gap there (a tiny gap is a float near-tie).
+Greedy outputs must equal plain decoding token for token; where one does not,
+the record keeps the first differing position and the target's top-2 logit gap
+there (a tiny gap is a float near-tie).
 """
 
 from __future__ import annotations
