@@ -3,21 +3,25 @@
 Options each round: a free draft (a lookup that found a match, at no model
 cost), the model drafter's draft (drafter forwards), or no draft at all (a
 plain decoding step through the same loop). Each option is scored by what it
-has realized: tokens emitted per second over its recent rounds (decaying
-means), lookups per kind and match length, since a long match holds far more
+has realized: tokens emitted per second over its recent rounds (sums that
+decay by the rounds since they were measured, about the last twenty), lookups
+per kind and match length, since a long match holds far more
 often than a one-token one. The option expected to make tokens fastest wins.
 
 The guard is the plain option: a plain step makes exactly what plain decoding
 makes, so while no source is expected to beat it the loop decodes plainly.
-An option not chosen for a while is probed (tried once: the text may have
-changed, a list, a copied block); each probe that loses doubles the wait
-before the next, so an option that never pays costs a handful of rounds per
-thousand. Without the guard some source drafts every round.
+An option not chosen for a while is probed (the text may have changed, a
+list, a copied block): tried for a few rated rounds, then judged against the
+best of the others. A drafter's rounds vary (1 to k+1 tokens); judged on one
+round, a drafter that paid on average lost a third of its probes, and since
+each lost probe doubles the wait before the next, it sat out whole replies.
+An option that never pays still costs only a few rounds per hundred.
+Without the guard some source drafts every round.
 
 A round in which the drafter first caught up on text that lookups drafted
-costs more than its usual round; it is not rated, and the drafter drafts again
-next round, in step, to be rated on what it usually costs. Charged for the
-catch-up, a probing drafter always lost and was shut out where it paid.
+costs more than its usual round; it is not rated (nor counted in a probe).
+Charged for the catch-up, a probing drafter always lost and was shut out
+where it paid.
 
 A scheduler outlives a reply (chat, serve and bench keep one), so a new
 reply starts from what the last ones measured instead of probing afresh.
@@ -39,10 +43,12 @@ class Rate:
     rounds: int = 0
     last: int = -(10**9)  # round it last ran
     wait: int = 0  # rounds before it is probed again
+    trial: int = 0  # rated rounds left in the probe under way
 
     def add(self, tokens: int, seconds: float, decay: float, now: int) -> None:
-        self.tokens = decay * self.tokens + tokens
-        self.seconds = decay * self.seconds + seconds
+        old = decay ** (now - self.last)  # weighed by how many rounds ago it was measured
+        self.tokens = old * self.tokens + tokens
+        self.seconds = old * self.seconds + seconds
         self.rounds += 1
         self.last = now
 
@@ -51,15 +57,13 @@ class Rate:
 
 
 class Scheduler:
-    def __init__(self, decay: float = 0.8, probe_every: int = 16, max_wait: int = 1024):
-        self.decay, self.probe_every, self.max_wait = decay, probe_every, max_wait
+    def __init__(self, decay: float = 0.95, probe_every: int = 16, probe_rounds: int = 4, max_wait: int = 256):
+        self.decay, self.probe_every, self.probe_rounds, self.max_wait = decay, probe_every, probe_rounds, max_wait
         self.rates: dict[str, Rate] = {}
         self.round = 0
         self.sources: list = []
         self.guard = True
-        self.probe: str | None = None  # the option this round probes, if it does
-        self.best: str | None = None  # the measured best option this round
-        self.again: str | None = None  # an option that caught up last round: rate it now
+        self.rival: float | None = None  # the best rate among the options not chosen this round
 
     def begin_reply(self, sources: list, guard: bool, ctx: Context) -> None:
         """This reply's sources (their prompt processing: prefill)."""
@@ -78,12 +82,14 @@ class Scheduler:
         options += [(s.name, s) for s in self.sources if not s.free]
         if self.guard or not options:
             options.append((PLAIN, None))
-        measured = [(rate, key) for key, _ in options if (rate := self._rate(key).per_s()) is not None]
-        self.best = max(measured)[1] if measured else None
-        due = [o for o in options if o[0] != self.best and self.round - self._rate(o[0]).last >= self._rate(o[0]).wait]
-        due.sort(key=lambda o: o[0] != self.again)
-        key, choice = due[0] if due else next(o for o in options if o[0] == self.best)
-        self.probe = key if due else None
+        measured = {key: rate for key, _ in options if (rate := self._rate(key).per_s()) is not None}
+        best = max(measured, key=measured.get) if measured else None
+        probes = [o for o in options if self._rate(o[0]).trial]  # probes under way first
+        probes += [o for o in options if o[0] != best and self.round - self._rate(o[0]).last >= self._rate(o[0]).wait]
+        key, choice = probes[0] if probes else next(o for o in options if o[0] == best)
+        if probes and not self._rate(key).trial:
+            self._rate(key).trial = self.probe_rounds
+        self.rival = max((rate for k, rate in measured.items() if k != key), default=None)
         if choice is None:
             return Draft([], PLAIN)
         return choice if isinstance(choice, Draft) else choice.propose(ctx, limit)
@@ -91,14 +97,15 @@ class Scheduler:
     def settle(self, draft: Draft, accepted: int, timing: dict) -> None:
         """Learn from a verified round: the source's own learning, then the option's rate."""
         draft.settle(accepted, timing)
-        self.again = draft.source if draft.catch_up else None
-        if self.again:
-            return  # not rated: still due (or best), it drafts again next round
+        if draft.catch_up:
+            return  # not rated: it cost more than this source's rounds usually do
         rate = self._rate(draft.source)
         rate.add(timing["tokens"], timing["round_s"], self.decay, self.round)
-        if self.probe is not None and self.best is not None:
-            lost = rate.per_s() < self._rate(self.best).per_s()
-            rate.wait = min(2 * rate.wait, self.max_wait) if lost else self.probe_every
+        if rate.trial:
+            rate.trial -= 1
+            if not rate.trial:  # the probe is over: judge it
+                lost = self.rival is not None and rate.per_s() < self.rival
+                rate.wait = min(2 * rate.wait, self.max_wait) if lost else self.probe_every
 
     def end_reply(self, ctx: Context) -> None:
         for s in self.sources:
