@@ -5,8 +5,8 @@ cost), the model drafter's draft (drafter forwards), or no draft at all (a
 plain decoding step through the same loop). Each option is scored by what it
 has realized: tokens emitted per second over its recent rounds (sums that
 decay by the rounds since they were measured, about the last twenty), lookups
-per kind and match length, since a long match holds far more
-often than a one-token one. The option expected to make tokens fastest wins.
+per kind and match length, since a long match holds far more often than a
+one-token one. The option expected to make tokens fastest wins.
 
 The guard is the plain option: a plain step makes exactly what plain decoding
 makes, so while no source is expected to beat it the loop decodes plainly.

@@ -4,6 +4,7 @@ them (sampling with lookup drafts: test_sampling.py)."""
 
 import json
 
+import numpy as np
 import pytest
 from mlx_lm import load
 
@@ -162,8 +163,6 @@ def test_a_drafter_that_pays_on_average_keeps_its_rounds():
     """Rated on its last few rounds and its probes judged on one round, a streak of unlucky
     rounds put the drafter behind plain and each lost probe doubled its wait: it sat out whole
     replies where it paid (the 1.5B bench: chat, math)."""
-    import numpy as np
-
     scheduler, ctx = Scheduler(), Context([0])
     drafter = Uneven(np.random.default_rng(0))
     chosen = []
