@@ -58,6 +58,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from omnidraft_mlx.atomic import atomic_write_bytes
+from omnidraft_mlx.fit import VerifyCost
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.learned import deferred_interrupt
 from omnidraft_mlx.settings import check_choice, check_range
@@ -186,9 +187,8 @@ class DraftPolicy:
         self.synced_rounds = 0  # rounds when loaded or saved
         self._survival = 1.0  # prod of P(accept) over this round's tokens
         self.recent = 1.0  # the reply's recent acceptance (a head feature)
-        # Decaying sums over rounds: drafting s, drafter forwards, round s, tokens emitted; and for the
-        # fit of verification s (v) on draft tokens (n): rounds, n, n^2, v, n*v.
-        self._cost = np.zeros(9)
+        self._cost = np.zeros(4)  # decaying sums over rounds: drafting s, drafter forwards, round s, tokens emitted
+        self._verify = VerifyCost(cfg.cost_decay)
         self._timed = 0  # rounds in those sums
 
     @property
@@ -198,17 +198,15 @@ class DraftPolicy:
             return self.cfg.gamma
         if self._timed < 4:
             return self.cfg.start_gamma
-        draft_s, forwards, round_s, tokens, w, n, nn, v, nv = self._cost
-        spread = w * nn - n * n  # draft lengths must vary to show what one more token costs
-        verify_s = max(0.0, (w * nv - n * v) / spread) if spread > 1e-6 * w * w else 0.0
-        return float(np.clip(1.0 - (draft_s / forwards + verify_s) * tokens / round_s, 0.0, 1.0))
+        draft_s, forwards, round_s, tokens = self._cost
+        return float(np.clip(1.0 - (draft_s / forwards + self._verify.per_token) * tokens / round_s, 0.0, 1.0))
 
     def time_round(self, draft_s: float, forwards: int, verify_s: float, drafted: int, round_s: float,
                    tokens: int) -> None:
         """What one round cost and made (for gamma auto)."""
         if forwards:
-            rnd = (draft_s, forwards, round_s, tokens, 1, drafted, drafted**2, verify_s, drafted * verify_s)
-            self._cost = self.cfg.cost_decay * self._cost + rnd
+            self._cost = self.cfg.cost_decay * self._cost + (draft_s, forwards, round_s, tokens)
+            self._verify.add(drafted, verify_s)
             self._timed += 1
 
     @property

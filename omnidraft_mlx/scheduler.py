@@ -19,6 +19,15 @@ judged on one, a drafter that paid 1.5x plain on average got 12 % of the rounds
 An option that never pays still costs only a few rounds per hundred.
 Without the guard some source drafts every round.
 
+A looked-up draft is cut to the tokens expected to pay for their verification:
+on a CPU the target's forward grows with the tokens it verifies (Qwen 1.5B: 0.1 s
+a token, an eighth of a step), so one more token pays while the chance that the
+whole draft holds through it exceeds what decoding makes, at its best rate, in
+the time that token costs (gamma auto's accounting, policy.py). The chance comes
+from the kind's earlier drafts, position by position. Uncut, lookups on the 1.5B
+target drafted 7 tokens a round on math and chat, of which under one held: a lookup round
+made no more tokens a second than a plain step. A copy that holds keeps its full length.
+
 A round in which the drafter first caught up on text that lookups drafted
 costs more than its usual round; it is not rated (nor counted in a probe).
 Charged for the catch-up, a probing drafter always lost and was shut out
@@ -30,9 +39,14 @@ reply starts from what the last ones measured instead of probing afresh.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from omnidraft_mlx.drafts import PLAIN, Context, Draft
+from omnidraft_mlx.fit import VerifyCost
+
+MAX_DRAFT = 64  # draft positions whose hold rates are kept (a longer lookup is cut there)
 
 
 @dataclass
@@ -45,22 +59,38 @@ class Rate:
     last: int = -(10**9)  # round it last ran
     wait: int = 0  # rounds before it is probed again
     trial: int = 0  # rated rounds left in the probe under way
+    # Per draft position: drafts that reached it (all before it held) and those whose token held there.
+    reached: np.ndarray = field(default_factory=lambda: np.zeros(MAX_DRAFT))
+    held: np.ndarray = field(default_factory=lambda: np.zeros(MAX_DRAFT))
 
-    def add(self, tokens: int, seconds: float, decay: float, now: int) -> None:
+    def add(self, tokens: int, seconds: float, proposed: int, accepted: int, decay: float, now: int) -> None:
         old = decay ** (now - self.last)  # weighed by how many rounds ago it was measured
         self.tokens = old * self.tokens + tokens
         self.seconds = old * self.seconds + seconds
+        self.reached *= old
+        self.held *= old
+        self.reached[: min(accepted + 1, proposed, MAX_DRAFT)] += 1
+        self.held[: min(accepted, MAX_DRAFT)] += 1
         self.rounds += 1
         self.last = now
 
     def per_s(self) -> float | None:
         return self.tokens / self.seconds if self.rounds and self.seconds > 0 else None
 
+    def worth(self, threshold: float) -> int:
+        """How many draft tokens to verify: while P(all of them hold) exceeds threshold.
+        A position's rate leans on the one before it where it has few counts (none: 1)."""
+        p, prev = np.empty(MAX_DRAFT), 1.0
+        for i in range(MAX_DRAFT):
+            p[i] = prev = (self.held[i] + prev) / (self.reached[i] + 1)
+        return max(1, int((np.cumprod(p) > threshold).sum()))
+
 
 class Scheduler:
     def __init__(self, decay: float = 0.95, probe_every: int = 16, probe_rounds: int = 4, max_wait: int = 256):
         self.decay, self.probe_every, self.probe_rounds, self.max_wait = decay, probe_every, probe_rounds, max_wait
         self.rates: dict[str, Rate] = {}
+        self.verify = VerifyCost(decay)
         self.round = 0
         self.sources: list = []
         self.guard = True
@@ -85,6 +115,12 @@ class Scheduler:
             options.append((PLAIN, None))
         measured = {key: rate for key, _ in options if (rate := self._rate(key).per_s()) is not None}
         best = max(measured, key=measured.get) if measured else None
+        # One more looked-up token costs its verification; it pays while it holds more often than
+        # the tokens decoding makes meanwhile at its best rate.
+        threshold = self.verify.per_token * measured[best] if best else 0.0
+        for key, d in options:
+            if isinstance(d, Draft):
+                d.tokens = d.tokens[: self._rate(key).worth(threshold)]
         probes = [o for o in options if self._rate(o[0]).trial]  # probes under way first
         probes += [o for o in options if o[0] != best and self.round - self._rate(o[0]).last >= self._rate(o[0]).wait]
         key, choice = probes[0] if probes else next(o for o in options if o[0] == best)
@@ -98,10 +134,11 @@ class Scheduler:
     def settle(self, draft: Draft, accepted: int, timing: dict) -> None:
         """Learn from a verified round: the source's own learning, then the option's rate."""
         draft.settle(accepted, timing)
+        self.verify.add(len(draft.tokens), timing["verify_s"])
         if draft.catch_up:
             return  # not rated: it cost more than this source's rounds usually do
         rate = self._rate(draft.source)
-        rate.add(timing["tokens"], timing["round_s"], self.decay, self.round)
+        rate.add(timing["tokens"], timing["round_s"], len(draft.tokens), accepted, self.decay, self.round)
         if rate.trial:
             rate.trial -= 1
             if not rate.trial:  # the probe is over: judge it
