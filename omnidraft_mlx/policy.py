@@ -58,8 +58,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from omnidraft_mlx.atomic import atomic_write_bytes
-from omnidraft_mlx.fit import VerifyCost
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.fit import VerifyCost
 from omnidraft_mlx.learned import deferred_interrupt
 from omnidraft_mlx.settings import check_choice, check_range
 

@@ -25,8 +25,9 @@ a token, an eighth of a step), so one more token pays while the chance that the
 whole draft holds through it exceeds what decoding makes, at its best rate, in
 the time that token costs (gamma auto's accounting, policy.py). The chance comes
 from the kind's earlier drafts, position by position. Uncut, lookups on the 1.5B
-target drafted 7 tokens a round on math and chat, of which under one held: a lookup round
-made no more tokens a second than a plain step. A copy that holds keeps its full length.
+target drafted 7 tokens a round on math and chat, of which under one held: a
+lookup round made no more tokens a second than a plain step. A copy that holds
+keeps its full length.
 
 A round in which the drafter first caught up on text that lookups drafted
 costs more than its usual round; it is not rated (nor counted in a probe).
@@ -115,12 +116,6 @@ class Scheduler:
             options.append((PLAIN, None))
         measured = {key: rate for key, _ in options if (rate := self._rate(key).per_s()) is not None}
         best = max(measured, key=measured.get) if measured else None
-        # One more looked-up token costs its verification; it pays while it holds more often than
-        # the tokens decoding makes meanwhile at its best rate.
-        threshold = self.verify.per_token * measured[best] if best else 0.0
-        for key, d in options:
-            if isinstance(d, Draft):
-                d.tokens = d.tokens[: self._rate(key).worth(threshold)]
         probes = [o for o in options if self._rate(o[0]).trial]  # probes under way first
         probes += [o for o in options if o[0] != best and self.round - self._rate(o[0]).last >= self._rate(o[0]).wait]
         key, choice = probes[0] if probes else next(o for o in options if o[0] == best)
@@ -129,7 +124,13 @@ class Scheduler:
         self.rival = max((rate for k, rate in measured.items() if k != key), default=None)
         if choice is None:
             return Draft([], PLAIN)
-        return choice if isinstance(choice, Draft) else choice.propose(ctx, limit)
+        if not isinstance(choice, Draft):
+            return choice.propose(ctx, limit)
+        # One more looked-up token costs its verification; it pays while it holds more often than
+        # the tokens decoding makes meanwhile at its best rate.
+        threshold = self.verify.per_token * measured[best] if best else 0.0
+        choice.tokens = choice.tokens[: self._rate(key).worth(threshold)]
+        return choice
 
     def settle(self, draft: Draft, accepted: int, timing: dict) -> None:
         """Learn from a verified round: the source's own learning, then the option's rate."""
