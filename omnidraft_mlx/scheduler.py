@@ -2,32 +2,36 @@
 
 Options each round: a free draft (a lookup that found a match, at no model
 cost), the model drafter's draft (drafter forwards), or no draft at all (a
-plain decoding step through the same loop). Each option is scored by what it
-has realized: tokens emitted per second over its recent rounds (sums that
-decay by the rounds since they were measured, about the last twenty), lookups
-per kind and match length, since a long match holds far more often than a
-one-token one. The option expected to make tokens fastest wins.
+plain decoding step through the same loop). The option expected to make
+tokens fastest wins.
 
-The guard is the plain option: a plain step makes exactly what plain decoding
-makes, so while no source is expected to beat it the loop decodes plainly.
-An option not chosen for a while is probed (the text may have changed, a
-list, a copied block): tried for a few rated rounds, then judged against the
-best of the others; each lost probe doubles the wait before the next. A
-drafter's rounds vary (1 to k+1 tokens): rated on its last five rounds and
-judged on one, a drafter that paid 1.5x plain on average got 12 % of the rounds
-(test_lookup.py) and sat out whole replies where it paid.
-An option that never pays still costs only a few rounds per hundred.
+A looked-up draft is scored before it is verified, by kind (source and match
+length: "context:8"): from how often that kind's earlier drafts held at each
+position, the tokens a round makes verifying its first 1..n tokens, over what
+that verification costs (fitted from every round: on a CPU the target's
+forward grows with the tokens it verifies, Qwen 1.5B 0.1 s a token, an eighth
+of a step). The draft is cut to the length that makes tokens fastest: a copy
+that holds keeps its full length, a lookup whose first token holds a third of
+the time drafts one token. A kind never seen is expected to hold (so it is
+tried); its counts fade with its own drafts, not with time, so a kind that
+fails stays out however rarely it is tried. Rated instead on the rounds it had
+won, a lookup round made no more tokens a second than a plain step on the 1.5B
+target's math and chat (7 tokens drafted, under one held) and still took the
+rounds from a drafter that paid.
+
+The guard is the plain option: a plain step costs a verification of no draft
+tokens (the same fit), and makes exactly what plain decoding makes, so while
+no source is expected to beat it the loop decodes plainly. It needs no probe.
+
+The drafter is scored by what it realized: tokens per second over its recent
+rounds (sums that decay by the rounds since they were measured, about the last
+twenty). Not chosen for a while, it is probed (the text may have changed):
+tried for a few rated rounds, then judged against the best of the others; each
+lost probe doubles the wait before the next. A drafter's rounds vary (1 to k+1
+tokens): rated on its last five rounds and judged on one, a drafter that paid
+1.5x plain on average got 12 % of the rounds (test_lookup.py) and sat out
+whole replies where it paid.
 Without the guard some source drafts every round.
-
-A looked-up draft is cut to the tokens expected to pay for their verification:
-on a CPU the target's forward grows with the tokens it verifies (Qwen 1.5B: 0.1 s
-a token, an eighth of a step), so one more token pays while the chance that the
-whole draft holds through it exceeds what decoding makes, at its best rate, in
-the time that token costs (gamma auto's accounting, policy.py). The chance comes
-from the kind's earlier drafts, position by position. Uncut, lookups on the 1.5B
-target drafted 7 tokens a round on math and chat, of which under one held: a
-lookup round made no more tokens a second than a plain step. A copy that holds
-keeps its full length.
 
 A round in which the drafter first caught up on text that lookups drafted
 costs more than its usual round; it is not rated (nor counted in a probe).
@@ -44,7 +48,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omnidraft_mlx.drafts import PLAIN, Context, Draft
+from omnidraft_mlx.drafts import PLAIN, Context, Draft, DraftSource
 from omnidraft_mlx.fit import VerifyCost
 
 MAX_DRAFT = 64  # draft positions whose hold rates are kept (a longer lookup is cut there)
@@ -68,8 +72,10 @@ class Rate:
         old = decay ** (now - self.last)  # weighed by how many rounds ago it was measured
         self.tokens = old * self.tokens + tokens
         self.seconds = old * self.seconds + seconds
-        self.reached *= old
-        self.held *= old
+        # Hold counts fade with the kind's own drafts, not with time: a kind tried now and
+        # then keeps what its drafts showed.
+        self.reached *= decay
+        self.held *= decay
         self.reached[: min(accepted + 1, proposed, MAX_DRAFT)] += 1
         self.held[: min(accepted, MAX_DRAFT)] += 1
         self.rounds += 1
@@ -78,13 +84,14 @@ class Rate:
     def per_s(self) -> float | None:
         return self.tokens / self.seconds if self.rounds and self.seconds > 0 else None
 
-    def worth(self, threshold: float) -> int:
-        """How many draft tokens to verify: while P(all of them hold) exceeds threshold.
-        A position's rate leans on the one before it where it has few counts (none: 1)."""
-        p, prev = np.empty(MAX_DRAFT), 1.0
-        for i in range(MAX_DRAFT):
+    def expected_tokens(self, n: int) -> np.ndarray:
+        """What a round makes verifying the first 1..n tokens of a draft of this kind: the
+        target's own token plus those expected to hold. A position's hold rate leans on the one
+        before it where it has few counts (none: 1, so a new kind is tried)."""
+        p, prev = np.empty(n), 1.0
+        for i in range(n):
             p[i] = prev = (self.held[i] + prev) / (self.reached[i] + 1)
-        return max(1, int((np.cumprod(p) > threshold).sum()))
+        return 1 + np.cumsum(np.cumprod(p))
 
 
 class Scheduler:
@@ -114,23 +121,34 @@ class Scheduler:
         options += [(s.name, s) for s in self.sources if not s.free]
         if self.guard or not options:
             options.append((PLAIN, None))
-        measured = {key: rate for key, _ in options if (rate := self._rate(key).per_s()) is not None}
-        best = max(measured, key=measured.get) if measured else None
-        probes = [o for o in options if self._rate(o[0]).trial]  # probes under way first
-        probes += [o for o in options if o[0] != best and self.round - self._rate(o[0]).last >= self._rate(o[0]).wait]
-        key, choice = probes[0] if probes else next(o for o in options if o[0] == best)
+        scores = {}
+        for key, choice in options:
+            if isinstance(choice, Draft):
+                scores[key] = self._cut(key, choice)
+            elif choice is None:  # a plain step costs a verification of no draft tokens
+                if self.verify.rounds:
+                    scores[key] = 1 / float(self.verify.seconds(0))
+            elif (rate := self._rate(key).per_s()) is not None:
+                scores[key] = rate
+        best = max(scores, key=scores.get) if scores else None
+        # Only the drafter is probed: the others' rates are expected before they are verified.
+        drafters = [o for o in options if isinstance(o[1], DraftSource)]
+        probes = [o for o in drafters if self._rate(o[0]).trial]  # probes under way first
+        probes += [o for o in drafters if o[0] != best and self.round - self._rate(o[0]).last >= self._rate(o[0]).wait]
+        key, choice = probes[0] if probes else next((o for o in options if o[0] == best), options[-1])
         if probes and not self._rate(key).trial:
             self._rate(key).trial = self.probe_rounds
-        self.rival = max((rate for k, rate in measured.items() if k != key), default=None)
+        self.rival = max((score for k, score in scores.items() if k != key), default=None)
         if choice is None:
             return Draft([], PLAIN)
-        if not isinstance(choice, Draft):
-            return choice.propose(ctx, limit)
-        # One more looked-up token costs its verification; it pays while it holds more often than
-        # the tokens decoding makes meanwhile at its best rate.
-        threshold = self.verify.per_token * measured[best] if best else 0.0
-        choice.tokens = choice.tokens[: self._rate(key).worth(threshold)]
-        return choice
+        return choice if isinstance(choice, Draft) else choice.propose(ctx, limit)
+
+    def _cut(self, key: str, draft: Draft) -> float:
+        """Cut a looked-up draft to the length expected to make tokens fastest; that rate."""
+        n = min(len(draft.tokens), MAX_DRAFT)
+        per_s = self._rate(key).expected_tokens(n) / self.verify.seconds(np.arange(1, n + 1))
+        draft.tokens = draft.tokens[: int(per_s.argmax()) + 1]
+        return float(per_s.max())
 
     def settle(self, draft: Draft, accepted: int, timing: dict) -> None:
         """Learn from a verified round: the source's own learning, then the option's rate."""
