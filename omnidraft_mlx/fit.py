@@ -19,18 +19,6 @@ class VerifyCost:
         self.sums = self.decay * self.sums + (1, tokens, tokens**2, seconds, tokens * seconds)
 
     @property
-    def rounds(self) -> float:
-        return self.sums[0]
-
-    def seconds(self, tokens: int | np.ndarray) -> float | np.ndarray:
-        """Expected verification seconds of a draft of `tokens` (1 before any round is measured)."""
-        w, n, _, s, _ = self.sums
-        if w < 1e-9:
-            return np.ones_like(tokens, dtype=float)
-        slope = self.per_token
-        return (s - slope * n) / w + slope * np.asarray(tokens)
-
-    @property
     def per_token(self) -> float:
         w, n, nn, s, ns = self.sums
         spread = w * nn - n * n  # draft lengths must vary to show what one more token costs

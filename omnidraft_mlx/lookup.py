@@ -70,16 +70,8 @@ class ContextLookup(LookupSource):
         for n in range(min(self.max_ngram, len(self.seq)), 0, -1):
             start = self.after.get(tuple(self.seq[-n:]))
             if start is not None:
-                return self.draft(self.seq[start : start + min(limit, self.length)], self._match(start, n))
+                return self.draft(self.seq[start : start + min(limit, self.length)], n)
         return None
-
-    def _match(self, start: int, n: int) -> int:
-        """The match's length class: 1, 2, 3, then 4, 8 or 16 and more tokens. Past the longest
-        n-gram looked up, a match that runs on marks a copy under way, which holds far longer."""
-        end = len(self.seq)
-        while n < 16 and start - n > 0 and self.seq[start - n - 1] == self.seq[end - n - 1]:
-            n += 1
-        return n if n < 4 else 4 if n < 8 else 8 if n < 16 else 16
 
 
 class HistoryIndex:

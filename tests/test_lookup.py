@@ -32,10 +32,6 @@ def test_context_lookup_proposes_what_followed_the_longest_match():
     assert lookup.propose(ctx, 10) is None
     ctx.committed += [1]  # "7 1" unseen, "1" seen last at position 9 (then 2 3 9 9 7)
     assert lookup.propose(ctx, 3).tokens == [2, 3, 9] and lookup.propose(ctx, 3).source == "context:1"
-    # A copy under way: the match runs on past the longest n-gram looked up (9 tokens: class 8).
-    copying = Context(prompt=[*range(10, 30), 5, *range(10, 19)])
-    draft = ContextLookup(max_ngram=3, max_len=4).propose(copying, 10)
-    assert draft.tokens == [19, 20, 21, 22] and draft.source == "context:8"
 
 
 def test_history_index_counts_merges_saves_and_stays_bounded(tmp_path):
@@ -101,8 +97,8 @@ def test_guard_decodes_plainly_while_no_source_pays(unrelated, guard):
     out, stats = decode(unrelated, "x", sources="drafter", guard=guard, k=4, max_tokens=60)
     drafter_rounds, proposed, accepted = stats.by_source["drafter"]
     assert accepted == 0 and proposed > 0
-    if guard:  # after four drafter rounds plain wins; the drafter is probed after 16 and 32 more
-        # rounds, five rounds a probe (its catch-up on the plain rounds' text is not rated)
+    if guard:  # after four drafter rounds and four plain, plain wins; the drafter is probed after
+        # 16 and 32 more rounds, five rounds a probe (its catch-up on the plain rounds' text is not rated)
         assert stats.by_source["plain"][0] >= 45 and 8 <= drafter_rounds <= 15
     else:
         assert "plain" not in stats.by_source
@@ -142,7 +138,7 @@ def test_a_drafter_that_caught_up_is_rated_in_step(guard):
         draft = scheduler.propose(ctx, 8)
         drafter.in_step &= draft.source == "drafter"
         tokens, seconds = {"context": (2, 1.0), "plain": (1, 1.0)}.get(draft.source, (4, 10.0 if draft.catch_up else 0.5))
-        scheduler.settle(draft, tokens - 1, dict(tokens=tokens, round_s=seconds, verify_s=seconds))
+        scheduler.settle(draft, tokens - 1, dict(tokens=tokens, round_s=seconds))
         chosen.append(draft.source)
     assert chosen[-100:].count("drafter") >= 90  # the others: lookup and plain probes of four rounds
 
@@ -153,14 +149,14 @@ class Uneven(DraftSource):
 
     name = "drafter"
 
-    def __init__(self, rng, most: int = 4):
-        self.rng, self.most = rng, most
+    def __init__(self, rng):
+        self.rng = rng
 
     def propose(self, ctx, limit):
         return Draft([3, 4, 5], self.name)
 
     def tokens(self):
-        return 1 if self.rng.random() < 0.5 else self.most
+        return 1 if self.rng.random() < 0.5 else 4
 
 
 def test_a_drafter_that_pays_on_average_keeps_its_rounds():
@@ -175,78 +171,8 @@ def test_a_drafter_that_pays_on_average_keeps_its_rounds():
         for _ in range(40):
             draft = scheduler.propose(ctx, 8)
             tokens, seconds = (drafter.tokens(), 1.7) if draft.source == "drafter" else (1, 1.0)
-            scheduler.settle(draft, tokens - 1, dict(tokens=tokens, round_s=seconds, verify_s=1.0))
+            scheduler.settle(draft, tokens - 1, dict(tokens=tokens, round_s=seconds))
             chosen.append(draft.source)
         scheduler.end_reply(ctx)
     late = chosen[len(chosen) // 2 :]
-    assert late.count("drafter") >= 0.9 * len(late)
-
-
-class Looked(DraftSource):
-    """A lookup that finds 6 to 8 tokens every round."""
-
-    name, free = "context", True
-
-    def __init__(self, rng):
-        self.rng = rng
-
-    def propose(self, ctx, limit):
-        return Draft(list(range(self.rng.integers(6, 9))), self.name)
-
-
-@pytest.mark.parametrize("copy", [True, False])
-def test_a_lookup_drafts_as_far_as_it_is_expected_to_hold(copy):
-    """Verification costs 1 s plus 0.1 s a token (a CPU target's forward grows with the draft).
-    A copy holds all 6-8 tokens found: it drafts them all. A lookup whose first token holds 30 %
-    of the time and never the next: 8 tokens make 1.3 per 1.8 s, below plain's 1 a second; it
-    drafts one token (1.3 per 1.1 s) and beats plain (math and chat on the 1.5B target: lookups
-    drafted 7 tokens, under one held)."""
-    rng = np.random.default_rng(0)
-    scheduler, ctx, lookup = Scheduler(), Context([0]), Looked(rng)
-    scheduler.begin_reply([lookup], True, ctx)
-    rounds = []
-    for _ in range(300):
-        draft = scheduler.propose(ctx, 64)
-        accepted = len(draft.tokens) if copy else int(draft.tokens != [] and rng.random() < 0.3)
-        seconds = 1.0 + 0.1 * len(draft.tokens)
-        scheduler.settle(draft, accepted, dict(tokens=accepted + 1, round_s=seconds, verify_s=seconds))
-        rounds.append((draft.source, len(draft.tokens), accepted + 1, seconds))
-    late = rounds[100:]
-    lookups = [n for source, n, _, _ in late if source == "context"]
-    assert len(lookups) >= 0.9 * len(late)
-    assert sum(n >= 6 if copy else n == 1 for n in lookups) >= 0.85 * len(lookups)
-    assert sum(t for *_, t, _ in late) / sum(s for *_, s in late) > (4.0 if copy else 1.1)
-
-
-class Scattered(DraftSource):
-    """Lookups of eight kinds (match lengths), one found each round, whose first token holds 10 %
-    of the time and the rest never: as chat used the context and history lookups."""
-
-    name, free = "context", True
-
-    def __init__(self, rng):
-        self.rng = rng
-
-    def propose(self, ctx, limit):
-        return Draft(list(range(8)), f"{self.name}:{self.rng.integers(1, 9)}")
-
-
-def test_lookups_that_do_not_hold_leave_the_rounds_to_a_drafter_that_pays():
-    """Verification 0.75 s + 0.09 s a token (the 1.5B target); the drafter makes 1 or 5 tokens
-    per 1.4 s, 2.1 a second; a one-token lookup 1.1 per 0.84 s. Rated on the rounds each kind had
-    won and probed kind by kind (plain too), they took an eighth of the rounds from the drafter."""
-    rng = np.random.default_rng(0)
-    scheduler, ctx, drafter = Scheduler(), Context([0]), Uneven(rng, most=5)
-    scheduler.begin_reply([Scattered(rng), drafter], True, ctx)
-    chosen = []
-    for _ in range(1500):
-        draft = scheduler.propose(ctx, 64)
-        if draft.source == "drafter":
-            accepted, draft_s = drafter.tokens() - 1, 0.38
-        else:
-            accepted, draft_s = int(bool(draft.tokens) and rng.random() < 0.1), 0.0
-        verify_s = 0.75 + 0.09 * len(draft.tokens)
-        scheduler.settle(draft, accepted, dict(tokens=accepted + 1, round_s=draft_s + verify_s, verify_s=verify_s))
-        chosen.append(draft.source.split(":")[0])
-    late = chosen[500:]
     assert late.count("drafter") >= 0.9 * len(late)
