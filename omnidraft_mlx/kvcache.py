@@ -75,6 +75,16 @@ def prefill(model, cache: list, ids: list[int]) -> mx.array | None:
     return hidden
 
 
+def shared_len(a, b) -> int:
+    """How many leading items two sequences (token ids, bytes) share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass
 class KVSlot:
     """A model's cache and the token ids it holds, in order."""
@@ -87,12 +97,7 @@ class KVSlot:
         return cls(make_cache(model))
 
     def common_prefix(self, ids: list[int]) -> int:
-        n = 0
-        for a, b in zip(self.tokens, ids):
-            if a != b:
-                break
-            n += 1
-        return n
+        return shared_len(self.tokens, ids)
 
     def rewind(self, n: int) -> None:
         """Keep the first n tokens."""
