@@ -61,15 +61,14 @@ def exact_sequence_probs(model, prompt_ids, eos, length, temp, top_p, min_prob=1
     return probs
 
 
-def sample_sequences(pair, prompt, mode, n, length, temp, top_p, k=3, sources="drafter",
-                     lookup_len=8) -> tuple[Counter, SpecStats]:
+def sample_sequences(pair, prompt, mode, n, length, temp, top_p, k=3, sources="drafter") -> tuple[Counter, SpecStats]:
     """n sampled continuations of prompt, drafted by `sources` (every round, no guard)."""
     msgs = user_messages(prompt)
     dp, tp = encode_prompt(pair.draft_tok, msgs, True), encode_prompt(pair.target_tok, msgs, True)
     counts, stats = Counter(), SpecStats()
     for seed in range(n):
         cfg = SpecConfig(k=k, temp=temp, top_p=top_p, max_tokens=length, sampling=mode, seed=seed,
-                         sources=sources, guard=False, lookup_len=lookup_len)
+                         sources=sources, guard=False)
         counts[tuple(t for new, _ in speculative_generate(pair, dp, tp, cfg, stats) for t in new)] += 1
     return counts, stats
 

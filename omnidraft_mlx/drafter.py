@@ -2,24 +2,19 @@
 its draft is translated into target tokens the target can verify.
 
 The drafter's context is its own tokenization of prompt + accepted text. It
-re-synchronizes lazily, only when it is asked for a draft: plain rounds cost
-it nothing, and the next sync feeds all the text they made in one forward.
-It also extends a looked-up draft (a fused draft): it reads the lookup's
-tokens as if accepted, in one forward, and drafts on from there, so a round
-verifies the lookup and the drafter's continuation together and the drafter
-never falls behind the text lookups draft.
+re-synchronizes lazily, only when it is asked for a draft: rounds drafted by
+another source (a lookup) cost it nothing, and the next sync feeds all the
+text they accepted in one forward.
 """
 
 from __future__ import annotations
-
-from bisect import bisect_right
 
 import mlx.core as mx
 import numpy as np
 
 from omnidraft_mlx.align import byte_ends, spelled_bytes
 from omnidraft_mlx.drafts import Context, Draft, DraftSource
-from omnidraft_mlx.kvcache import KVSlot, shared_len
+from omnidraft_mlx.kvcache import KVSlot
 from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.policy import DraftPolicy
 from omnidraft_mlx.translate import complete_utf8, translate_text, translate_tokens
@@ -41,10 +36,9 @@ class DraftState:
     def __init__(self, pair: Pair, prompt_ids: list[int], lookbehind: int, slot: KVSlot | None = None):
         self.pair, self.prompt, self.lookbehind = pair, prompt_ids, lookbehind
         self.slot = slot or KVSlot.fresh(pair.draft)  # ids in the cache, drafted ones included
-        self.text = b""  # the text the cache was last synced to (accepted, or a lookup's read as if)
-        self.text_ids: list[int] = []  # draft tokenization of that text
+        self.text_ids: list[int] = []  # draft tokenization of the accepted text
         self.text_ends: list[int] = []  # byte offset where each of those ends
-        self.synced: list[int] | None = None  # target ids of that text
+        self.synced = -1  # accepted tokens the cache was last synced to
         self.last: tuple[mx.array, mx.array] | None = None  # logits and hidden state after that sync
         self.forwards = 0  # drafter forwards so far
 
@@ -54,15 +48,14 @@ class DraftState:
         return output_head(self.pair.draft)(hidden), hidden
 
     def sync(self, text: bytes, committed: list[int]) -> tuple[mx.array, mx.array]:
-        """Point the drafter at a text (target ids `committed`); logits (and hidden state) for its next token."""
-        if self.synced == committed:
+        """Point the drafter at the accepted text; logits (and hidden state) for its next token."""
+        if self.synced == len(committed):
             return self.last
         if self.pair.vmap.same_vocab:
             self.text_ids = list(committed)
         else:
-            # Re-tokenize from a few tokens behind where the texts part (a looked-up draft the
-            # target rejected) or the old one ends: a merge may cross that point.
-            keep = max(0, bisect_right(self.text_ends, shared_len(self.text, text)) - self.lookbehind)
+            # Re-tokenize a few tokens behind the new text: a merge may cross it.
+            keep = max(0, len(self.text_ids) - self.lookbehind)
             start = self.text_ends[keep - 1] if keep else 0
             tail = complete_utf8(text[start:]).decode("utf-8", errors="replace")
             tail_ids = list(self.pair.draft_tok.encode(tail, add_special_tokens=False)) if tail else []
@@ -71,7 +64,7 @@ class DraftState:
             self.text_ends = self.text_ends[:keep] + ends.tolist()
         context = self.prompt + self.text_ids
         self.slot.rewind(min(self.slot.common_prefix(context), len(context) - 1))  # feed >= 1: logits
-        self.text, self.synced = text, list(committed)
+        self.synced = len(committed)
         self.last = self.feed(context[len(self.slot.tokens) :])
         return self.last
 
@@ -122,43 +115,30 @@ class DrafterSource(DraftSource):
         self.state.sync(bytes(ctx.text), ctx.committed)
 
     def propose(self, ctx: Context, limit: int) -> Draft:
-        return self.extend(ctx, Draft([], self.name), limit)
-
-    def extend(self, ctx: Context, lead: Draft, limit: int) -> Draft:
-        """The drafter's draft after a looked-up lead's tokens (no lead: its own draft).
-        Rated and counted as the lead's source: the scheduler chose the lookup."""
-        vmap, skip = self.pair.vmap, len(lead.tokens)
-        if skip >= limit:
-            return lead
         forwards, catch_up = self.state.forwards, len(ctx.committed) != self.in_step
-        text = bytes(ctx.text) + spelled_bytes(lead.tokens, vmap.target_bytes)
-        logits, hidden = self.state.sync(text, ctx.committed + lead.tokens)
-        ids, probs, feats = self._draft(logits, hidden, min(limit - skip, self.policy.max_len), ctx.rng)
+        logits, hidden = self.state.sync(bytes(ctx.text), ctx.committed)
+        ids, probs, feats = self._draft(logits, hidden, min(limit, self.policy.max_len), ctx.rng)
         if self.by_text:
-            tokens, spans = translate_text(ids, vmap, self.pair.target_tok), None
+            tokens, spans = translate_text(ids, self.pair.vmap, self.pair.target_tok), None
         else:
-            tr = translate_tokens(ids, vmap, self.ngrams)
+            tr = translate_tokens(ids, self.pair.vmap, self.ngrams)
             tokens, spans, ids = tr.target_ids, tr.spans, ids[: tr.consumed]
 
         def q(n: int, t: int) -> np.ndarray:
-            if n < skip:  # the lead's: a point mass
-                return np.eye(1, len(vmap.target_bytes), t)[0]
-            return proposal_dist(self.pair, probs, ids, spans[n - skip], t)
+            return proposal_dist(self.pair, probs, ids, spans[n], t)
 
         def settle(accepted: int, timing: dict) -> None:
-            lead.settle(min(accepted, skip), timing)
-            mine = accepted - skip  # < 0: the lead failed, so the drafter's tokens were never judged
-            if mine >= 0:
-                self.policy.observe(feats[: len(ids)], drafted_and_kept(vmap, ids, tokens[:mine]))
-            for s, e in (spans or [])[: max(0, mine)]:
+            self.policy.observe(feats[: len(ids)], drafted_and_kept(self.pair.vmap, ids, tokens[:accepted]))
+            for s, e in (spans or [])[:accepted]:
                 if e - s > 1:
                     self.ngrams.record_use(tuple(ids[s:e]))
-            if not catch_up and not skip:  # gamma auto prices the drafter's usual round
+            if not catch_up:  # gamma auto prices the usual round
                 self.policy.time_round(forwards=self.state.forwards - forwards, drafted=len(ids), **timing)
             self.in_step = len(ctx.committed) + timing["tokens"]
 
-        return Draft(lead.tokens + tokens, lead.source, None if self.greedy else q, settle, drafted=len(ids),
-                     forwards=self.state.forwards - forwards, merged=[False] * skip + [e - s > 1 for s, e in spans or []], catch_up=catch_up)
+        return Draft(tokens, self.name, None if self.greedy else q, settle, drafted=len(ids),
+                     forwards=self.state.forwards - forwards, merged=[e - s > 1 for s, e in spans or []],
+                     catch_up=catch_up)
 
     def _draft(self, logits, hidden, limit: int, rng):
         """Up to `limit` draft tokens: ids, their distributions (sampling) and head features."""

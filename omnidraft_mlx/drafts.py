@@ -2,8 +2,7 @@
 
 A draft source proposes target tokens for one round; the target verifies them
 in one forward. Sources: the model drafter (drafter.py), lookups in the
-context and in the user's history (lookup.py). A model source may extend a
-looked-up draft (the drafter does: a fused draft).
+context and in the user's history (lookup.py).
 """
 
 from __future__ import annotations
@@ -72,10 +71,6 @@ class DraftSource:
     def propose(self, ctx: Context, limit: int) -> Draft | None:
         """At most `limit` target tokens to verify next, or None."""
         raise NotImplementedError
-
-    def extend(self, ctx: Context, lead: Draft, limit: int) -> Draft:
-        """A draft of at most `limit` tokens that starts with a looked-up draft's; by default the lead alone."""
-        return lead
 
     def end_reply(self, ctx: Context) -> None:
         """The reply is over (interrupted or not): learn from it."""

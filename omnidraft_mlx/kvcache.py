@@ -75,16 +75,6 @@ def prefill(model, cache: list, ids: list[int]) -> mx.array | None:
     return hidden
 
 
-def shared_len(a, b) -> int:
-    """How many leading items two sequences (token ids, bytes) share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @dataclass
 class KVSlot:
     """A model's cache and the token ids it holds, in order."""
@@ -97,7 +87,12 @@ class KVSlot:
         return cls(make_cache(model))
 
     def common_prefix(self, ids: list[int]) -> int:
-        return shared_len(self.tokens, ids)
+        n = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            n += 1
+        return n
 
     def rewind(self, n: int) -> None:
         """Keep the first n tokens."""

@@ -1,8 +1,7 @@
 """Which draft to verify each round, and the guard that keeps speculation from losing.
 
 Options each round: a free draft (a lookup that found a match, at no model
-cost; with a model drafter among the sources, the drafter extends it: a fused
-draft), the model drafter's draft (drafter forwards), or no draft at all (a
+cost), the model drafter's draft (drafter forwards), or no draft at all (a
 plain decoding step through the same loop). Each option is scored by what it
 has realized: tokens emitted per second over its recent rounds (sums that
 decay by the rounds since they were measured, about the last twenty), lookups
@@ -20,11 +19,7 @@ judged on one, a drafter that paid 1.5x plain on average got 12 % of the rounds
 An option that never pays still costs only a few rounds per hundred.
 Without the guard some source drafts every round.
 
-A fused round is rated as a whole, the drafter's forwards in it: a lookup
-verified alone left the drafter to catch up on its text later, a cost no
-option was charged, and lookups that held a little won rounds from a drafter
-that paid more (the adapted 1.5B pair: math and chat below the drafter alone).
-A round in which the drafter first caught up on text that plain rounds made
+A round in which the drafter first caught up on text that lookups drafted
 costs more than its usual round; it is not rated (nor counted in a probe).
 Charged for the catch-up, a probing drafter always lost and was shut out
 where it paid.
@@ -98,9 +93,7 @@ class Scheduler:
         self.rival = max((rate for k, rate in measured.items() if k != key), default=None)
         if choice is None:
             return Draft([], PLAIN)
-        if isinstance(choice, Draft):  # looked up: a model source (the drafter) may extend it
-            return next((s.extend(ctx, choice, limit) for s in self.sources if not s.free), choice)
-        return choice.propose(ctx, limit)
+        return choice if isinstance(choice, Draft) else choice.propose(ctx, limit)
 
     def settle(self, draft: Draft, accepted: int, timing: dict) -> None:
         """Learn from a verified round: the source's own learning, then the option's rate."""

@@ -125,14 +125,13 @@ def test_exact_sampling_in_float16(dirs, tiny):
     from omnidraft_mlx.bench.sampling_bias import exact_sequence_probs, fit, sample_sequences
     from test_sampling import CASES, LENGTH, SAMPLES, TEMP, TOP_P
 
-    prompt, sources, lookup_len = CASES["drafter"]
+    prompt, sources = CASES["drafter"]
 
     (dm, dt), (tm, tt) = load(str(dirs["draft", "float16"])), model(dirs, "target", "float16")
     pair = make_pair(dm, dt, tm, tt)
     tp = encode_prompt(tt, user_messages(prompt), True)
     expected = exact_sequence_probs(tm, tp, set(tt.eos_token_ids) | {pair.vmap.target_eos}, LENGTH, TEMP, TOP_P)
-    counts, stats = sample_sequences(pair, prompt, "exact", SAMPLES, LENGTH, TEMP, TOP_P, sources=sources,
-                                     lookup_len=lookup_len)
+    counts, stats = sample_sequences(pair, prompt, "exact", SAMPLES, LENGTH, TEMP, TOP_P, sources=sources)
     pvalue, categories = fit(counts, expected)
     assert categories >= 5 and 0 < stats.accepted < stats.proposed
     assert pvalue > 1e-3, f"float16 exact sampling deviates from the target (p={pvalue:.2g})"

@@ -84,17 +84,6 @@ def test_lookup_drafts_are_accepted_where_the_reply_repeats(cross):
     assert accepted >= 4 and stats.tokens_per_forward > 1.3
 
 
-@pytest.mark.parametrize("drafter", ["draft", "same"])  # another vocabulary, the target's
-def test_the_drafter_extends_looked_up_drafts(tiny, drafter):
-    """With the drafter on, a lookup's draft goes on with the drafter's tokens, verified in the same round."""
-    pair = make_pair(*tiny[drafter], *tiny["target"])
-    _, alone = decode(pair, REPEAT, sources="context", guard=False, lookup_len=1)
-    out, fused = decode(pair, REPEAT, sources="drafter,context", guard=False, lookup_len=1)
-    rounds, proposed, accepted = fused.by_source["context"]
-    assert proposed > rounds  # more than the one looked-up token a round
-    assert accepted / rounds > alone.by_source["context"][2] / alone.by_source["context"][0]
-
-
 @pytest.fixture(scope="module")
 def unrelated(tmp_path_factory):
     """Untrained models with peaked, unrelated distributions: the drafter is always wrong."""
