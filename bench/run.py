@@ -195,7 +195,7 @@ class OraclePolicy(DraftPolicy):
     def begin_round(self) -> None:
         self.drafted = b""
 
-    def wants_more(self, logits, token: int, features) -> bool:
+    def wants_more(self, logits, token: int, features, forward: bool = True) -> bool:
         self.drafted += self.vmap.draft_bytes[token] or b""
         return self.reply.startswith(self.committed + self.drafted)
 

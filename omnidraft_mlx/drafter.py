@@ -5,6 +5,13 @@ The drafter's context is its own tokenization of prompt + accepted text. It
 re-synchronizes lazily, only when it is asked for a draft: rounds drafted by
 another source (a lookup) cost it nothing, and the next sync feeds all the
 text they accepted in one forward.
+
+A lookup's draft, when there is one, is a guess at what the drafter will
+draft: once the drafter's first token is the guess's, it reads the whole guess
+in one forward and takes its next tokens from there while its own choices keep
+matching the guess (lookahead for the drafter). Its draft stays exactly the one
+it would have drafted token by token (the same tokens, or under sampling the
+same distribution), at one forward instead of one a token.
 """
 
 from __future__ import annotations
@@ -42,9 +49,10 @@ class DraftState:
         self.last: tuple[mx.array, mx.array] | None = None  # logits and hidden state after that sync
         self.forwards = 0  # drafter forwards so far
 
-    def feed(self, ids: list[int]) -> tuple[mx.array, mx.array]:
+    def feed(self, ids: list[int], rows: int = 0) -> tuple[mx.array, mx.array]:
+        """Logits and hidden state after the last of ids (rows > 0: after each of the last rows)."""
         self.forwards += 1
-        hidden = self.slot.extend(self.pair.draft, ids)
+        hidden = self.slot.extend(self.pair.draft, ids, rows)
         return output_head(self.pair.draft)(hidden), hidden
 
     def sync(self, text: bytes, committed: list[int]) -> tuple[mx.array, mx.array]:
@@ -92,6 +100,11 @@ def drafted_and_kept(vmap, draft_ids: list[int], accepted: list[int]) -> list[bo
     return (byte_ends(draft_ids, vmap.draft_bytes) <= matched).tolist()
 
 
+def follows(ids: list[int], guess: list[int]) -> bool:
+    """Is the draft so far the start of the guess?"""
+    return len(ids) <= len(guess) and ids == guess[: len(ids)]
+
+
 class DrafterSource(DraftSource):
     """Drafts with the model drafter, as far as the draft-length policy says."""
 
@@ -114,10 +127,11 @@ class DrafterSource(DraftSource):
         """Prefill the drafter's prompt (timed as prompt processing)."""
         self.state.sync(bytes(ctx.text), ctx.committed)
 
-    def propose(self, ctx: Context, limit: int) -> Draft:
+    def propose(self, ctx: Context, limit: int, guess: list[int] = ()) -> Draft:
         forwards, catch_up = self.state.forwards, len(ctx.committed) != self.in_step
         logits, hidden = self.state.sync(bytes(ctx.text), ctx.committed)
-        ids, probs, feats = self._draft(logits, hidden, min(limit, self.policy.max_len), ctx.rng)
+        ids, probs, feats = self._draft(logits, hidden, min(limit, self.policy.max_len), ctx.rng,
+                                        self._in_draft_tokens(guess))
         if self.by_text:
             tokens, spans = translate_text(ids, self.pair.vmap, self.pair.target_tok), None
         else:
@@ -140,10 +154,33 @@ class DrafterSource(DraftSource):
                      forwards=self.state.forwards - forwards, merged=[e - s > 1 for s, e in spans or []],
                      catch_up=catch_up)
 
-    def _draft(self, logits, hidden, limit: int, rng):
+    def _in_draft_tokens(self, guess: list[int]) -> list[int]:
+        """A guess in target tokens as the drafter's tokens (their text, re-tokenized)."""
+        if self.pair.vmap.same_vocab or not guess:
+            return list(guess)
+        pieces = [self.pair.vmap.target_bytes[t] for t in guess]
+        text = complete_utf8(b"".join(pieces[: pieces.index(None)] if None in pieces else pieces))
+        return list(self.pair.draft_tok.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False))
+
+    def _read(self, ids: list[int], guess: list[int], ahead: list) -> tuple[mx.array, mx.array]:
+        """Logits and hidden state after the draft so far: while it follows the guess, from one
+        forward over the whole guess (rows kept in `ahead`), else a forward over its last token."""
+        n = len(ids)
+        if follows(ids, guess):
+            if not ahead:
+                logits, hidden = self.state.feed(guess, rows=len(guess))
+                ahead += zip(logits, hidden)
+            return ahead[n - 1]
+        if ahead:  # the draft left the guess here: drop the guessed tokens it did not draft
+            self.state.slot.rewind(len(self.state.slot.tokens) - len(ahead) + n - 1)
+            ahead.clear()
+        return self.state.feed(ids[-1:])
+
+    def _draft(self, logits, hidden, limit: int, rng, guess: list[int] = ()):
         """Up to `limit` draft tokens: ids, their distributions (sampling) and head features."""
         vmap, policy = self.pair.vmap, self.policy
         ids, probs, feats = [], [], []
+        guess, ahead = guess[: limit - 1], []  # the last drafted token needs no logits after it
         policy.begin_round()
         for i in range(limit):
             if self.greedy:
@@ -163,8 +200,10 @@ class DrafterSource(DraftSource):
                 t = translate_tokens(ids, vmap, self.ngrams)
                 if t.consumed < len(ids) and not t.open_ngram:
                     break  # unverifiable: drafting further is wasted
-            # A drafter forward is the price of the next token: pay it only if the policy expects a keeper.
-            if i == limit - 1 or not policy.wants_more(logits, d, f):
+            # A drafter forward is the price of the next token (none where the guess was read ahead):
+            # pay it only if the policy expects a keeper.
+            read = bool(ahead) and follows(ids, guess)
+            if i == limit - 1 or not policy.wants_more(logits, d, f, forward=not read):
                 break
-            logits, hidden = self.state.feed([d])
+            logits, hidden = self._read(ids, guess, ahead)
         return ids, probs, feats

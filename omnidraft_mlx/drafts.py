@@ -68,8 +68,9 @@ class DraftSource:
     def start(self, ctx: Context) -> None:
         """Prompt processing (timed as prefill)."""
 
-    def propose(self, ctx: Context, limit: int) -> Draft | None:
-        """At most `limit` target tokens to verify next, or None."""
+    def propose(self, ctx: Context, limit: int, guess: list[int] = ()) -> Draft | None:
+        """At most `limit` target tokens to verify next, or None. `guess`: target tokens a free
+        source expects next (a model source may read them ahead in one forward)."""
         raise NotImplementedError
 
     def end_reply(self, ctx: Context) -> None:

@@ -66,11 +66,13 @@ def trim_cache(cache: list, n: int) -> None:
             )
 
 
-def prefill(model, cache: list, ids: list[int]) -> mx.array | None:
-    """Feed ids through model into cache (in chunks); final hidden state of the last position."""
+def prefill(model, cache: list, ids: list[int], rows: int = 0) -> mx.array | None:
+    """Feed ids through model into cache (in chunks); final hidden state of the last position,
+    or (rows > 0, at most a chunk) of each of the last `rows` positions."""
     hidden = None
     for start in range(0, len(ids), PREFILL_CHUNK):
-        hidden = model.model(mx.array(ids[start : start + PREFILL_CHUNK])[None], cache=cache)[0, -1]
+        hidden = model.model(mx.array(ids[start : start + PREFILL_CHUNK])[None], cache=cache)[0]
+        hidden = hidden[-rows:] if rows else hidden[-1]
         mx.eval(hidden)
     return hidden
 
@@ -99,10 +101,10 @@ class KVSlot:
         trim_cache(self.cache, len(self.tokens) - n)
         del self.tokens[n:]
 
-    def extend(self, model, ids: list[int]) -> mx.array | None:
-        """Feed ids after what the cache holds; the last position's hidden state."""
+    def extend(self, model, ids: list[int], rows: int = 0) -> mx.array | None:
+        """Feed ids after what the cache holds; the last position's hidden state (prefill's rows)."""
         self.tokens += ids
-        return prefill(model, self.cache, ids)
+        return prefill(model, self.cache, ids, rows)
 
     def reuse(self, model, ids: list[int], keep_last: int = 0) -> mx.array | None:
         """Make the cache hold exactly ids: keep the common prefix, feed the rest.

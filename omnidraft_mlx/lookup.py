@@ -65,7 +65,7 @@ class ContextLookup(LookupSource):
                 self.after[tuple(self.seq[p - n : p])] = p
             self.seq.append(ctx.prompt[p] if p < len(ctx.prompt) else ctx.committed[p - len(ctx.prompt)])
 
-    def propose(self, ctx: Context, limit: int) -> Draft | None:
+    def propose(self, ctx: Context, limit: int, guess: list[int] = ()) -> Draft | None:
         self._catch_up(ctx)
         for n in range(min(self.max_ngram, len(self.seq)), 0, -1):
             start = self.after.get(tuple(self.seq[-n:]))
@@ -158,7 +158,7 @@ class HistorySource(LookupSource):
         super().__init__(max_len)
         self.index, self.learn = index, learn
 
-    def propose(self, ctx: Context, limit: int) -> Draft | None:
+    def propose(self, ctx: Context, limit: int, guess: list[int] = ()) -> Draft | None:
         return self.draft(*self.index.continuation(ctx.tail(self.index.order), min(limit, self.length)))
 
     def end_reply(self, ctx: Context) -> None:

@@ -194,12 +194,18 @@ class DraftPolicy:
     @property
     def gamma(self) -> float:
         """cfg.gamma, or from the measured costs (module docstring)."""
+        return self.threshold(forward=True)
+
+    def threshold(self, forward: bool) -> float:
+        """gamma for one more draft token; forward=False: its drafter forward is already paid
+        (the drafter read a guess ahead), so with gamma auto only its verification is priced."""
         if self.cfg.gamma is not None:
             return self.cfg.gamma
         if self._timed < 4:
             return self.cfg.start_gamma
         draft_s, forwards, round_s, tokens = self._cost
-        return float(np.clip(1.0 - (draft_s / forwards + self._verify.per_token) * tokens / round_s, 0.0, 1.0))
+        per_token = (draft_s / forwards if forward else 0.0) + self._verify.per_token
+        return float(np.clip(1.0 - per_token * tokens / round_s, 0.0, 1.0))
 
     def time_round(self, draft_s: float, forwards: int, verify_s: float, drafted: int, round_s: float,
                    tokens: int) -> None:
@@ -234,8 +240,9 @@ class DraftPolicy:
         recent = self.recent if recent is None else recent
         return token_features(hidden if self.cfg.hidden else None, logits, token, depth, recent)
 
-    def wants_more(self, logits: mx.array, token: int, features: mx.array | None) -> bool:
-        """Whether to draft one more token after the one just drafted (from `logits`).
+    def wants_more(self, logits: mx.array, token: int, features: mx.array | None, forward: bool = True) -> bool:
+        """Whether to draft one more token after the one just drafted (from `logits`);
+        forward: the next token costs a drafter forward.
 
         Deciding before the drafter forward that the next token costs (rather than
         after it, on the next token's own features) saves a wasted forward per
@@ -245,7 +252,7 @@ class DraftPolicy:
         if self.cfg.name == "learned" and self.ready:
             p = mx.sigmoid(self.head(features)).item()
             self._survival *= p
-            return 1.0 - self._survival * p <= self.gamma  # P(a rejection by the next token)
+            return 1.0 - self._survival * p <= self.threshold(forward)  # P(a rejection by the next token)
         return True
 
     def observe(self, features: list[mx.array], accepted: list[bool]) -> None:

@@ -79,11 +79,13 @@ class Scheduler:
         """The draft to verify this round (no tokens: a plain step)."""
         self.round += 1
         # Free drafts first: they cost nothing to look at.
-        options = [(d.source, d) for s in self.sources if s.free and (d := s.propose(ctx, limit))]
-        options += [(s.name, s) for s in self.sources if not s.free]
+        free = [(d.source, d) for s in self.sources if s.free and (d := s.propose(ctx, limit))]
+        options = free + [(s.name, s) for s in self.sources if not s.free]
         if self.guard or not options:
             options.append((PLAIN, None))
         measured = {key: rate for key, _ in options if (rate := self._rate(key).per_s()) is not None}
+        # The best-rated free draft is the model drafter's guess (it may read it ahead).
+        guess = max(free, key=lambda o: measured.get(o[0], 0.0))[1].tokens if free else []
         best = max(measured, key=measured.get) if measured else None
         probes = [o for o in options if self._rate(o[0]).trial]  # probes under way first
         probes += [o for o in options if o[0] != best and self.round - self._rate(o[0]).last >= self._rate(o[0]).wait]
@@ -93,7 +95,7 @@ class Scheduler:
         self.rival = max((rate for k, rate in measured.items() if k != key), default=None)
         if choice is None:
             return Draft([], PLAIN)
-        return choice if isinstance(choice, Draft) else choice.propose(ctx, limit)
+        return choice if isinstance(choice, Draft) else choice.propose(ctx, limit, guess)
 
     def settle(self, draft: Draft, accepted: int, timing: dict) -> None:
         """Learn from a verified round: the source's own learning, then the option's rate."""

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
+from omnidraft_mlx.drafter import DrafterSource
 from omnidraft_mlx.drafts import Context, Draft, DraftSource
 from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.lookup import ContextLookup, HistoryIndex
 from omnidraft_mlx.pair import make_pair
+from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.scheduler import Scheduler
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
@@ -84,6 +86,32 @@ def test_lookup_drafts_are_accepted_where_the_reply_repeats(cross):
     assert accepted >= 4 and stats.tokens_per_forward > 1.3
 
 
+@pytest.mark.parametrize("vocab", ["cross", "same"])
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_the_drafter_reads_a_guess_ahead_and_drafts_what_it_would_alone(cross, tiny, vocab, temp):
+    """Given a lookup's guess, the drafter drafts what it drafts token by token (under
+    sampling: from the same random draws), in one forward for the stretch the guess has right."""
+    pair = cross if vocab == "cross" else make_pair(*tiny["same"], *tiny["target"])
+    msgs = user_messages(REPEAT)
+    dp, tp = encode_prompt(pair.draft_tok, msgs, True), encode_prompt(pair.target_tok, msgs, True)
+    cfg = SpecConfig(k=6, temp=temp, sources="drafter", guard=False)
+
+    def draft(guess):
+        source, ctx = DrafterSource(pair, dp, cfg, DraftPolicy(PolicyConfig(k=6))), Context(tp, rng=np.random.default_rng(1))
+        source.start(ctx)
+        d = source.propose(ctx, 6, guess)
+        return d.tokens, d.forwards
+
+    alone, forwards = draft([])
+    assert len(alone) >= 4 and forwards >= 3
+    read, read_forwards = draft(alone)
+    assert read == alone and read_forwards < forwards
+    if vocab == "same":
+        assert read_forwards == 1
+    wrong = alone[:2] + [alone[2] + 1] + alone[3:]  # right up to its third token
+    assert draft(wrong) == (alone, forwards - 1)  # the guess read once, then token by token
+
+
 @pytest.fixture(scope="module")
 def unrelated(tmp_path_factory):
     """Untrained models with peaked, unrelated distributions: the drafter is always wrong."""
@@ -121,7 +149,7 @@ class Lagging(DraftSource):
     def __init__(self):
         self.in_step = False
 
-    def propose(self, ctx, limit):
+    def propose(self, ctx, limit, guess=()):
         draft = Draft([3, 4, 5], self.name, catch_up=not self.in_step)
         self.in_step = True
         return draft
@@ -152,7 +180,7 @@ class Uneven(DraftSource):
     def __init__(self, rng):
         self.rng = rng
 
-    def propose(self, ctx, limit):
+    def propose(self, ctx, limit, guess=()):
         return Draft([3, 4, 5], self.name)
 
     def tokens(self):

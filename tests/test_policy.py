@@ -159,7 +159,7 @@ def test_oracle_drafts_exactly_as_far_as_the_reply_agrees(cross, tiny):
     rounds, decisions = [], []
     begin, wants_more, observe = oracle.begin_round, oracle.wants_more, oracle.observe
     oracle.begin_round = lambda: (decisions.clear(), begin())
-    oracle.wants_more = lambda *a: decisions.append(wants_more(*a)) or decisions[-1]
+    oracle.wants_more = lambda *a, **kw: decisions.append(wants_more(*a, **kw)) or decisions[-1]
     oracle.observe = lambda feats, kept: (rounds.append((list(decisions), kept)), observe(feats, kept))
     for prompt in PROMPTS[:4]:
         msgs = user_messages(prompt)
