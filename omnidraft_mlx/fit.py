@@ -18,6 +18,13 @@ class VerifyCost:
     def add(self, tokens: int, seconds: float) -> None:
         self.sums = self.decay * self.sums + (1, tokens, tokens**2, seconds, tokens * seconds)
 
+    def seconds(self, tokens: int) -> float | None:
+        """Expected verification time of a draft of `tokens` tokens (None: nothing measured)."""
+        w, n, _, s, _ = self.sums
+        if not w:
+            return None
+        return (s - self.per_token * n) / w + self.per_token * tokens
+
     @property
     def per_token(self) -> float:
         w, n, nn, s, ns = self.sums

@@ -2,27 +2,40 @@
 
 Options each round: a free draft (a lookup that found a match, at no model
 cost), the model drafter's draft (drafter forwards), or no draft at all (a
-plain decoding step through the same loop). Each option is scored by what it
-has realized: tokens emitted per second over its recent rounds (sums that
-decay by the rounds since they were measured, about the last twenty), lookups
-per kind and match length, since a long match holds far more often than a
-one-token one. The option expected to make tokens fastest wins.
+plain decoding step through the same loop). The option expected to make
+tokens fastest wins.
+
+- A lookup is judged before it is verified, by how its kind (source and match
+  length, "context:3") has held: every lookup found is scored against what the
+  target wrote next, verified or not. The target writes the same text either
+  way (greedy), or each token with probability p(token), the chance the rule
+  accepts a looked-up one (sampling), so the score is what verifying it would
+  have kept. Expected tokens (held + the target's own) over the time verifying
+  that many tokens takes (fitted over all rounds: on a CPU each verified token
+  costs about an eighth of a step). Lookups need no probes: probed a few
+  rounds at a time, eight kinds of lookup cost math and chat a tenth of their
+  speed on the 1.5B bench, most of it in probes that held nothing.
+- The drafter and plain steps are rated by what they realized: tokens emitted
+  per second over their recent rounds (sums that decay by the rounds since
+  they were measured, about the last twenty).
 
 The guard is the plain option: a plain step makes exactly what plain decoding
 makes, so while no source is expected to beat it the loop decodes plainly.
-An option not chosen for a while is probed (the text may have changed, a
-list, a copied block): tried for a few rated rounds, then judged against the
-best of the others; each lost probe doubles the wait before the next. A
-drafter's rounds vary (1 to k+1 tokens): rated on its last five rounds and
-judged on one, a drafter that paid 1.5x plain on average got 12 % of the rounds
+The drafter or plain, not chosen for a while, is probed (the text may have
+changed): tried for a few rated rounds, then judged against the best of the
+others; each lost probe doubles the wait before the next. A drafter's rounds
+vary (1 to k+1 tokens): rated on its last five rounds and judged on one, a
+drafter that paid 1.5x plain on average got 12 % of the rounds
 (test_lookup.py) and sat out whole replies where it paid.
-An option that never pays still costs only a few rounds per hundred.
 Without the guard some source drafts every round.
 
 A round in which the drafter first caught up on text that lookups drafted
 costs more than its usual round; it is not rated (nor counted in a probe).
 Charged for the catch-up, a probing drafter always lost and was shut out
 where it paid.
+
+The best lookup found is also the drafter's guess (drafter.py): when the
+drafter is chosen it reads the guess ahead instead of drafting it token by token.
 
 A scheduler outlives a reply (chat, serve and bench keep one), so a new
 reply starts from what the last ones measured instead of probing afresh.
@@ -33,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omnidraft_mlx.drafts import PLAIN, Context, Draft
+from omnidraft_mlx.fit import VerifyCost
 
 
 @dataclass
@@ -57,51 +71,104 @@ class Rate:
         return self.tokens / self.seconds if self.rounds and self.seconds > 0 else None
 
 
+@dataclass
+class Hold:
+    """Decaying sums over a lookup kind's drafts: how many, and how many of their tokens held."""
+
+    drafts: float = 0.0
+    held: float = 0.0
+
+    def add(self, held: int, decay: float) -> None:
+        self.drafts = decay * self.drafts + 1
+        self.held = decay * self.held + held
+
+
+def held_prefix(tokens: list[int], written: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(tokens, written)) if a != b), min(len(tokens), len(written)))
+
+
 class Scheduler:
-    def __init__(self, decay: float = 0.95, probe_every: int = 16, probe_rounds: int = 4, max_wait: int = 256):
-        self.decay, self.probe_every, self.probe_rounds, self.max_wait = decay, probe_every, probe_rounds, max_wait
+    def __init__(self, decay: float = 0.95, hold_decay: float = 0.8, probe_every: int = 16, probe_rounds: int = 4,
+                 max_wait: int = 256):
+        self.decay, self.hold_decay = decay, hold_decay
+        self.probe_every, self.probe_rounds, self.max_wait = probe_every, probe_rounds, max_wait
         self.rates: dict[str, Rate] = {}
+        self.holds: dict[str, Hold] = {}
+        self.verify = VerifyCost(decay)
+        self.pending: list[tuple[str, int, list[int]]] = []  # lookups found, not yet scored: kind, start, tokens
         self.round = 0
         self.sources: list = []
         self.guard = True
         self.rival: float | None = None  # the best rate among the options not chosen this round
+        self.looked_up = False  # this round verifies a lookup (scored in shadow, not rated)
 
     def begin_reply(self, sources: list, guard: bool, ctx: Context) -> None:
         """This reply's sources (their prompt processing: prefill)."""
-        self.sources, self.guard = sources, guard
+        self.sources, self.guard, self.pending = sources, guard, []
         for s in sources:
             s.start(ctx)
 
     def _rate(self, key: str) -> Rate:
         return self.rates.setdefault(key, Rate(wait=self.probe_every))
 
+    def _score(self, committed: list[int]) -> None:
+        """Score the lookups found earlier against what the target has written since."""
+        waiting = []
+        for key, start, tokens in self.pending:
+            written = committed[start : start + len(tokens)]
+            held = held_prefix(tokens, written)
+            if held < len(written) or len(written) == len(tokens):
+                self.holds.setdefault(key, Hold()).add(held, self.hold_decay)
+            else:
+                waiting.append((key, start, tokens))
+        self.pending = waiting
+
+    def _expected(self, draft: Draft) -> float | None:
+        """Tokens per second a lookup is expected to make: its kind's held tokens, plus the
+        target's own, over the time to verify it (None: its kind never scored yet)."""
+        hold, seconds = self.holds.get(draft.source), self.verify.seconds(len(draft.tokens))
+        if hold is None or not seconds or seconds <= 0:
+            return None
+        return (min(hold.held / hold.drafts, len(draft.tokens)) + 1) / seconds
+
     def propose(self, ctx: Context, limit: int) -> Draft:
         """The draft to verify this round (no tokens: a plain step)."""
         self.round += 1
+        self._score(ctx.committed)
         # Free drafts first: they cost nothing to look at.
-        free = [(d.source, d) for s in self.sources if s.free and (d := s.propose(ctx, limit))]
-        options = free + [(s.name, s) for s in self.sources if not s.free]
-        if self.guard or not options:
+        free = {d.source: d for s in self.sources if s.free and (d := s.propose(ctx, limit))}
+        self.pending += [(key, len(ctx.committed), d.tokens) for key, d in free.items()]
+        options = [(s.name, s) for s in self.sources if not s.free]
+        if self.guard or not (options or free):
             options.append((PLAIN, None))
         measured = {key: rate for key, _ in options if (rate := self._rate(key).per_s()) is not None}
-        # The best-rated free draft is the model drafter's guess (it may read it ahead).
-        guess = max(free, key=lambda o: measured.get(o[0], 0.0))[1].tokens if free else []
-        best = max(measured, key=measured.get) if measured else None
+        expected = {key: rate for key, d in free.items() if (rate := self._expected(d)) is not None}
+        guess = max(free, key=lambda key: expected.get(key, 0.0)) if free else None
+        everything = {**measured, **expected}
+        best = max(everything, key=everything.get) if everything else None
         probes = [o for o in options if self._rate(o[0]).trial]  # probes under way first
         probes += [o for o in options if o[0] != best and self.round - self._rate(o[0]).last >= self._rate(o[0]).wait]
-        key, choice = probes[0] if probes else next(o for o in options if o[0] == best)
-        if probes and not self._rate(key).trial:
-            self._rate(key).trial = self.probe_rounds
-        self.rival = max((rate for k, rate in measured.items() if k != key), default=None)
+        if probes:
+            key, choice = probes[0]
+            if not self._rate(key).trial:
+                self._rate(key).trial = self.probe_rounds
+        elif best in free or not options:  # without the guard and a drafter, some lookup is verified
+            key = best if best in free else guess
+            choice = free[key]
+        else:
+            key, choice = next(o for o in options if o[0] == best) if best else options[0]
+        self.rival = max((rate for k, rate in everything.items() if k != key), default=None)
+        self.looked_up = key in free
         if choice is None:
             return Draft([], PLAIN)
-        return choice if isinstance(choice, Draft) else choice.propose(ctx, limit, guess)
+        return choice if isinstance(choice, Draft) else choice.propose(ctx, limit, free[guess].tokens if guess else [])
 
     def settle(self, draft: Draft, accepted: int, timing: dict) -> None:
-        """Learn from a verified round: the source's own learning, then the option's rate."""
+        """Learn from a verified round: the source's own learning, the verification cost, the option's rate."""
         draft.settle(accepted, timing)
-        if draft.catch_up:
-            return  # not rated: it cost more than this source's rounds usually do
+        self.verify.add(len(draft.tokens), timing["verify_s"])
+        if draft.catch_up or self.looked_up:
+            return  # catch-up: not rated, it cost more than this source's rounds usually do
         rate = self._rate(draft.source)
         rate.add(timing["tokens"], timing["round_s"], self.decay, self.round)
         if rate.trial:
@@ -111,5 +178,6 @@ class Scheduler:
                 rate.wait = min(2 * rate.wait, self.max_wait) if lost else self.probe_every
 
     def end_reply(self, ctx: Context) -> None:
+        self._score(ctx.committed)
         for s in self.sources:
             s.end_reply(ctx)
