@@ -29,6 +29,11 @@ def byte_ends(ids: list[int], spellings: list[bytes | None]) -> np.ndarray:
     return np.cumsum([len(spellings[i] or b"") for i in ids], dtype=np.int64)
 
 
+def common_prefix(a, b) -> int:
+    """How many leading items two sequences share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def spelled_bytes(ids: list[int], spellings: list[bytes | None]) -> bytes:
     return b"".join(spellings[i] or b"" for i in ids)
 
@@ -47,7 +52,7 @@ def align(draft_ids: list[int], target_ids: list[int], vmap: VocabMap) -> Alignm
     """
     d_bytes = spelled_bytes(draft_ids, vmap.draft_bytes)
     t_bytes = spelled_bytes(target_ids, vmap.target_bytes)
-    agree = next((i for i, (a, b) in enumerate(zip(d_bytes, t_bytes)) if a != b), min(len(d_bytes), len(t_bytes)))
+    agree = common_prefix(d_bytes, t_bytes)
     d_ends, t_ends = byte_ends(draft_ids, vmap.draft_bytes), byte_ends(target_ids, vmap.target_bytes)
     d_starts = d_ends - [len(vmap.draft_bytes[d] or b"") for d in draft_ids]
     starts_at = {int(s): i for i, s in enumerate(d_starts) if d_ends[i] > s}  # first non-empty token

@@ -19,7 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from omnidraft_mlx.align import byte_ends, spelled_bytes
+from omnidraft_mlx.align import byte_ends, common_prefix, draft_encode, spelled_bytes
 from omnidraft_mlx.drafts import Context, Draft, DraftSource
 from omnidraft_mlx.kvcache import KVSlot
 from omnidraft_mlx.pair import Pair
@@ -96,7 +96,7 @@ def drafted_and_kept(vmap, draft_ids: list[int], accepted: list[int]) -> list[bo
     no token of the draft's kept)"""
     drafted = spelled_bytes(draft_ids, vmap.draft_bytes)
     kept = spelled_bytes(accepted, vmap.target_bytes)
-    matched = next((i for i, (a, b) in enumerate(zip(drafted, kept)) if a != b), min(len(drafted), len(kept)))
+    matched = common_prefix(drafted, kept)
     return (byte_ends(draft_ids, vmap.draft_bytes) <= matched).tolist()
 
 
@@ -158,9 +158,9 @@ class DrafterSource(DraftSource):
         """A guess in target tokens as the drafter's tokens (their text, re-tokenized)."""
         if self.pair.vmap.same_vocab or not guess:
             return list(guess)
-        pieces = [self.pair.vmap.target_bytes[t] for t in guess]
-        text = complete_utf8(b"".join(pieces[: pieces.index(None)] if None in pieces else pieces))
-        return list(self.pair.draft_tok.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False))
+        spellings = self.pair.vmap.target_bytes
+        text_end = next((i for i, t in enumerate(guess) if spellings[t] is None), len(guess))  # a special token
+        return draft_encode(spelled_bytes(guess[:text_end], spellings), self.pair.draft_tok)
 
     def _read(self, ids: list[int], guess: list[int], ahead: list) -> tuple[mx.array, mx.array]:
         """Logits and hidden state after the draft so far: while it follows the guess, from one

@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from omnidraft_mlx.align import common_prefix
 from omnidraft_mlx.errors import OmniDraftError
 
 PREFILL_CHUNK = 512
@@ -89,12 +90,7 @@ class KVSlot:
         return cls(make_cache(model))
 
     def common_prefix(self, ids: list[int]) -> int:
-        n = 0
-        for a, b in zip(self.tokens, ids):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix(self.tokens, ids)
 
     def rewind(self, n: int) -> None:
         """Keep the first n tokens."""

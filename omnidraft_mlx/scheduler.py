@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omnidraft_mlx.align import common_prefix
 from omnidraft_mlx.drafts import PLAIN, Context, Draft
 from omnidraft_mlx.fit import VerifyCost
 
@@ -84,10 +85,6 @@ class Hold:
         self.held = decay * self.held + held
 
 
-def held_prefix(tokens: list[int], written: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(tokens, written)) if a != b), min(len(tokens), len(written)))
-
-
 class Scheduler:
     def __init__(self, decay: float = 0.95, hold_decay: float = 0.8, probe_every: int = 16, probe_rounds: int = 4,
                  max_wait: int = 256):
@@ -117,7 +114,7 @@ class Scheduler:
         waiting = []
         for key, start, tokens in self.pending:
             written = committed[start : start + len(tokens)]
-            held = held_prefix(tokens, written)
+            held = common_prefix(tokens, written)
             if held < len(written) or len(written) == len(tokens):
                 self.holds.setdefault(key, Hold()).add(held, self.hold_decay)
             else:
@@ -128,7 +125,7 @@ class Scheduler:
         """Tokens per second a lookup is expected to make: its kind's held tokens, plus the
         target's own, over the time to verify it (None: its kind never scored yet)."""
         hold, seconds = self.holds.get(draft.source), self.verify.seconds(len(draft.tokens))
-        if hold is None or not seconds or seconds <= 0:
+        if hold is None or seconds is None or seconds <= 0:
             return None
         return (min(hold.held / hold.drafts, len(draft.tokens)) + 1) / seconds
 
@@ -168,8 +165,8 @@ class Scheduler:
         """Learn from a verified round: the source's own learning, the verification cost, the option's rate."""
         draft.settle(accepted, timing)
         self.verify.add(len(draft.tokens), timing["verify_s"])
-        if draft.catch_up or self.looked_up:
-            return  # catch-up: not rated, it cost more than this source's rounds usually do
+        if draft.catch_up or self.looked_up:  # not rated: a catch-up costs more than the
+            return  # source's usual round; a lookup is judged by its kind's hold rate
         rate = self._rate(draft.source)
         rate.add(timing["tokens"], timing["round_s"], self.decay, self.round)
         if rate.trial:
