@@ -44,6 +44,16 @@ def draft_encode(text: bytes, draft_tok) -> list[int]:
     return list(draft_tok.encode(text, add_special_tokens=False)) if text else []
 
 
+def as_draft_tokens(target_ids: list[int], vmap: VocabMap, draft_tok) -> list[int]:
+    """Target tokens as the drafter reads them: the same ids where the two share a vocabulary
+    (the target's own tokenization, canonical or not), else their text up to the first special
+    token, re-tokenized."""
+    if vmap.same_vocab:
+        return list(target_ids)
+    text_end = next((i for i, t in enumerate(target_ids) if vmap.target_bytes[t] is None), len(target_ids))
+    return draft_encode(spelled_bytes(target_ids[:text_end], vmap.target_bytes), draft_tok)
+
+
 def align(draft_ids: list[int], target_ids: list[int], vmap: VocabMap) -> Alignment:
     """Direct and n-gram positions of two tokenizations of the same bytes.
 

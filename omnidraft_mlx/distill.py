@@ -25,7 +25,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from omnidraft_mlx.align import align, draft_encode, spelled_bytes
+from omnidraft_mlx.align import align, as_draft_tokens
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.settings import check_range
@@ -87,7 +87,7 @@ def make_example(pair: Pair, draft_prompt: list[int], target_prompt: list[int], 
     Token i of a sequence is predicted by the output at position i - 1, so a
     prompt-less first token carries no loss.
     """
-    draft_reply = draft_encode(spelled_bytes(reply, pair.vmap.target_bytes), pair.draft_tok)
+    draft_reply = as_draft_tokens(reply, pair.vmap, pair.draft_tok)
     al = align(draft_reply, reply, pair.vmap)
     pd, pt = len(draft_prompt), len(target_prompt)
     draft_ids = (draft_prompt + draft_reply)[:max_len]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from omnidraft_mlx.align import byte_ends, common_prefix, draft_encode, spelled_bytes
+from omnidraft_mlx.align import as_draft_tokens, byte_ends, common_prefix, spelled_bytes
 from omnidraft_mlx.drafts import Context, Draft, DraftSource
 from omnidraft_mlx.kvcache import KVSlot
 from omnidraft_mlx.pair import Pair
@@ -131,7 +131,7 @@ class DrafterSource(DraftSource):
         forwards, catch_up = self.state.forwards, len(ctx.committed) != self.in_step
         logits, hidden = self.state.sync(bytes(ctx.text), ctx.committed)
         ids, probs, feats = self._draft(logits, hidden, min(limit, self.policy.max_len), ctx.rng,
-                                        self._in_draft_tokens(guess))
+                                        as_draft_tokens(guess, self.pair.vmap, self.pair.draft_tok))
         if self.by_text:
             tokens, spans = translate_text(ids, self.pair.vmap, self.pair.target_tok), None
         else:
@@ -153,14 +153,6 @@ class DrafterSource(DraftSource):
         return Draft(tokens, self.name, None if self.greedy else q, settle, drafted=len(ids),
                      forwards=self.state.forwards - forwards, merged=[e - s > 1 for s, e in spans or []],
                      catch_up=catch_up)
-
-    def _in_draft_tokens(self, guess: list[int]) -> list[int]:
-        """A guess in target tokens as the drafter's tokens (their text, re-tokenized)."""
-        if self.pair.vmap.same_vocab or not guess:
-            return list(guess)
-        spellings = self.pair.vmap.target_bytes
-        text_end = next((i for i, t in enumerate(guess) if spellings[t] is None), len(guess))  # a special token
-        return draft_encode(spelled_bytes(guess[:text_end], spellings), self.pair.draft_tok)
 
     def _read(self, ids: list[int], guess: list[int], ahead: list) -> tuple[mx.array, mx.array]:
         """Logits and hidden state after the draft so far: while it follows the guess, from one

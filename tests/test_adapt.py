@@ -117,6 +117,17 @@ def test_loss_matches_numpy(cross):
     assert kl.item() > 0  # the two tiny models disagree: the reverse KL is not trivially zero
 
 
+def test_a_same_vocabulary_example_keeps_the_targets_own_tokens(tiny):
+    """A drafter sharing the target's vocabulary reads the target's ids as they are (drafter.sync),
+    so it learns from them, not from their canonical re-tokenization."""
+    (dm, dt), (tm, tt) = tiny["same"], tiny["target"]
+    pair = make_pair(dm, dt, tm, tt)
+    reply = list(tt.encode("\n", add_special_tokens=False)) * 3
+    assert list(tt.encode("\n\n\n", add_special_tokens=False)) != reply  # three newline tokens are not canonical
+    ex = make_example(pair, [1], [1], reply)
+    assert ex.draft_ids[1:] == reply and len(ex.direct_draft) == 3
+
+
 def test_step_without_ngram_positions(tiny_dirs, tiny):
     dm, dt = load(str(tiny_dirs["draft"]))
     tm, tt = tiny["target"]
@@ -133,12 +144,12 @@ def test_step_without_ngram_positions(tiny_dirs, tiny):
 def test_training_lowers_loss_and_raises_acceptance(tiny_dirs, tiny, rank):
     dm, dt = load(str(tiny_dirs["draft"]))  # a private copy: training changes it
     tm, tt = tiny["target"]
-    cfg = DistillConfig(lr=1e-3 if rank else 3e-4, lora_rank=rank)
+    cfg = DistillConfig(lr=3e-3, lora_rank=rank)
     setup_trainable(dm, cfg)
     pair = make_pair(dm, dt, tm, tt)
     prompts = [user_messages(p) for p in TRAIN_PROMPTS]
     before = evaluate(pair, prompts, max_tokens=32)["acceptance"]
-    learner = OnlineLearner(pair, cfg, interval=8)
+    learner = OnlineLearner(pair, cfg, interval=4)  # ten updates: at 5 (mlx 0.32) acceptance rose by 0.04
     losses = []
     for _ in range(5):
         stream(learner, [Sample(messages=m) for m in prompts], SpecConfig(max_tokens=32), Budget())
