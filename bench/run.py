@@ -291,6 +291,7 @@ def _run_ours(pair, target: KVSlot, draft_ids, target_ids, method: Method, run: 
         "draft_s": stats.draft_s, "verify_s": stats.verify_s, "other_s": stats.other_s,
         "draft_forwards": stats.draft_forwards, "ngram_hits": stats.ngram_hits,
         "round_ends": dict(stats.round_ends), "drafted": stats.drafted, "by_source": stats.by_source,
+        "padded": stats.padded, "pad_held": stats.pad_held,
     }
 
 

@@ -52,9 +52,17 @@ class Draft:
     # The source first caught up on text other sources drafted (the drafter's lazy re-sync):
     # this round cost more than its rounds usually do.
     catch_up: bool = False
+    # The last `padding` tokens were looked up after the source's own, to fill a draft length
+    # that verifies no slower (fit.VerifyCost.cheapest_length); they are point masses.
+    padding: int = 0
+
+    @property
+    def own(self) -> int:
+        """How many of the tokens are the source's own."""
+        return len(self.tokens) - self.padding
 
     def proposal(self, n: int, vocab: int) -> np.ndarray:
-        if self.q is not None:
+        if self.q is not None and n < self.own:
             return self.q(n, self.tokens[n])
         point = np.zeros(vocab)
         point[self.tokens[n]] = 1.0
@@ -72,6 +80,10 @@ class DraftSource:
         """At most `limit` target tokens to verify next, or None. `guess`: target tokens a free
         source expects next (a model source may read them ahead in one forward)."""
         raise NotImplementedError
+
+    def extend(self, ctx: Context, draft: list[int], count: int) -> list[int]:
+        """Up to `count` tokens expected after the reply so far followed by `draft` (free sources)."""
+        return []
 
     def end_reply(self, ctx: Context) -> None:
         """The reply is over (interrupted or not): learn from it."""

@@ -38,7 +38,7 @@ class LookupSource(DraftSource):
             return None
 
         def settle(accepted: int, timing: dict) -> None:
-            held = accepted == len(draft.tokens)  # as verified: the loop may have cut the draft short
+            held = accepted >= draft.own  # as verified: the loop may have cut the draft short
             self.length = min(4 * self.max_len, 2 * self.length) if held else self.max_len
 
         draft = Draft(tokens, f"{self.name}:{match}", settle=settle)
@@ -67,11 +67,20 @@ class ContextLookup(LookupSource):
 
     def propose(self, ctx: Context, limit: int, guess: list[int] = ()) -> Draft | None:
         self._catch_up(ctx)
-        for n in range(min(self.max_ngram, len(self.seq)), 0, -1):
-            start = self.after.get(tuple(self.seq[-n:]))
+        tokens, n = self._follow(self.seq, min(limit, self.length))
+        return self.draft(tokens, n) if tokens else None
+
+    def extend(self, ctx: Context, draft: list[int], count: int) -> list[int]:
+        self._catch_up(ctx)
+        return self._follow(self.seq[-self.max_ngram :] + draft, count)[0]
+
+    def _follow(self, tail: list[int], count: int) -> tuple[list[int], int]:
+        """What followed the latest earlier occurrence of the longest n-gram ending tail, and n."""
+        for n in range(min(self.max_ngram, len(tail)), 0, -1):
+            start = self.after.get(tuple(tail[-n:]))
             if start is not None:
-                return self.draft(self.seq[start : start + min(limit, self.length)], n)
-        return None
+                return self.seq[start : start + count], n
+        return [], 0
 
 
 class HistoryIndex:
@@ -160,6 +169,9 @@ class HistorySource(LookupSource):
 
     def propose(self, ctx: Context, limit: int, guess: list[int] = ()) -> Draft | None:
         return self.draft(*self.index.continuation(ctx.tail(self.index.order), min(limit, self.length)))
+
+    def extend(self, ctx: Context, draft: list[int], count: int) -> list[int]:
+        return self.index.continuation((ctx.tail(self.index.order) + draft)[-self.index.order :], count)[0]
 
     def end_reply(self, ctx: Context) -> None:
         """Index the reply (the prompt's last tokens as its first context)."""

@@ -38,6 +38,13 @@ where it paid.
 The best lookup found is also the drafter's guess (drafter.py): when the
 drafter is chosen it reads the guess ahead instead of drafting it token by token.
 
+The chosen draft (or a plain step's empty one) is then padded with looked-up
+tokens (the context's, else history's continuation of it) up to the length
+that verifies fastest, where that is longer: the cost of verifying n tokens is
+measured per n (widths.py, fit.VerifyCost) and is not monotone. On this CPU a
+1.5B target verifies 15 tokens faster than 3 to 14, and a 0.5B target verifies
+1 token as fast as none: the padding costs nothing and sometimes holds.
+
 A scheduler outlives a reply (chat, serve and bench keep one), so a new
 reply starts from what the last ones measured instead of probing afresh.
 """
@@ -49,6 +56,7 @@ from dataclasses import dataclass
 from omnidraft_mlx.align import common_prefix
 from omnidraft_mlx.drafts import PLAIN, Context, Draft
 from omnidraft_mlx.fit import VerifyCost
+from omnidraft_mlx.widths import verify_costs
 
 
 @dataclass
@@ -99,9 +107,14 @@ class Scheduler:
         self.guard = True
         self.rival: float | None = None  # the best rate among the options not chosen this round
         self.looked_up = False  # this round verifies a lookup (scored in shadow, not rated)
+        self.measured = False  # the verification cost per draft length seeded from widths.py
 
-    def begin_reply(self, sources: list, guard: bool, ctx: Context) -> None:
-        """This reply's sources (their prompt processing: prefill)."""
+    def begin_reply(self, sources: list, guard: bool, ctx: Context, target=None, slot=None) -> None:
+        """This reply's sources (their prompt processing: prefill); given the target and its
+        cache, the first reply starts from the measured cost of each draft length (widths.py)."""
+        if target is not None and not self.measured:
+            self.verify.seed(verify_costs(target, slot))
+            self.measured = True
         self.sources, self.guard, self.pending = sources, guard, []
         for s in sources:
             s.start(ctx)
@@ -121,10 +134,11 @@ class Scheduler:
                 waiting.append((key, start, tokens))
         self.pending = waiting
 
-    def _expected(self, draft: Draft) -> float | None:
+    def _expected(self, draft: Draft, most: int) -> float | None:
         """Tokens per second a lookup is expected to make: its kind's held tokens, plus the
-        target's own, over the time to verify it (None: its kind never scored yet)."""
-        hold, seconds = self.holds.get(draft.source), self.verify.seconds(len(draft.tokens))
+        target's own, over the time to verify it, padded (None: its kind never scored yet)."""
+        hold = self.holds.get(draft.source)
+        seconds = self.verify.seconds(self.verify.cheapest_length(len(draft.tokens), most))
         if hold is None or seconds is None or seconds <= 0:
             return None
         return (min(hold.held / hold.drafts, len(draft.tokens)) + 1) / seconds
@@ -140,7 +154,7 @@ class Scheduler:
         if self.guard or not (options or free):
             options.append((PLAIN, None))
         measured = {key: rate for key, _ in options if (rate := self._rate(key).per_s()) is not None}
-        expected = {key: rate for key, d in free.items() if (rate := self._expected(d)) is not None}
+        expected = {key: rate for key, d in free.items() if (rate := self._expected(d, limit - 1)) is not None}
         guess = max(free, key=lambda key: expected.get(key, 0.0)) if free else None
         everything = {**measured, **expected}
         best = max(everything, key=everything.get) if everything else None
@@ -158,8 +172,21 @@ class Scheduler:
         self.rival = max((rate for k, rate in everything.items() if k != key), default=None)
         self.looked_up = key in free
         if choice is None:
-            return Draft([], PLAIN)
-        return choice if isinstance(choice, Draft) else choice.propose(ctx, limit, free[guess].tokens if guess else [])
+            draft = Draft([], PLAIN)
+        else:
+            draft = choice if isinstance(choice, Draft) else choice.propose(ctx, limit, free[guess].tokens if guess else [])
+        return self._pad(draft, ctx, limit - 1)
+
+    def _pad(self, draft: Draft, ctx: Context, most: int) -> Draft:
+        """The draft padded with looked-up tokens to the length that verifies fastest, where that
+        is longer: the extra tokens cost nothing and may hold."""
+        want = self.verify.cheapest_length(len(draft.tokens), most) - len(draft.tokens)
+        for s in self.sources if want > 0 else ():
+            extra = s.extend(ctx, draft.tokens, want)
+            if extra:  # a new list: the lookups found this round keep theirs (self.pending)
+                draft.tokens, draft.padding = draft.tokens + extra, len(extra)
+                break
+        return draft
 
     def settle(self, draft: Draft, accepted: int, timing: dict) -> None:
         """Learn from a verified round: the source's own learning, the verification cost, the option's rate."""

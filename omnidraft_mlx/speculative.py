@@ -70,6 +70,8 @@ class SpecStats:
     accepted: int = 0
     emitted: int = 0
     ngram_hits: int = 0  # accepted tokens that were n-gram cache merges
+    padded: int = 0  # looked-up tokens padding drafts to a length that verifies no slower
+    pad_held: int = 0  # of those, accepted
     draft_forwards: int = 0  # drafter forwards after prefill (re-syncs included)
     drafted: int = 0  # draft tokens behind the proposals
     round_ends: dict = field(default_factory=dict)  # rounds "all accepted" / "rejected"
@@ -96,6 +98,8 @@ class SpecStats:
         self.proposed += len(draft.tokens)
         self.accepted += accepted
         self.drafted += draft.drafted
+        self.padded += draft.padding
+        self.pad_held += max(0, accepted - draft.own)
         self.draft_forwards += draft.forwards
         self.ngram_hits += sum(draft.merged[:accepted])
         self.draft_s += draft_s
@@ -172,7 +176,7 @@ def speculative_generate(
     target.reuse(pair.target, target_prompt[:-1])
     scheduler = scheduler or Scheduler()
     scheduler.begin_reply(make_sources(pair, draft_prompt, cfg, policy, history, draft_slot, learn_history),
-                          cfg.guard, ctx)
+                          cfg.guard, ctx, pair.target, target)
     stats.prompt_tokens = len(target_prompt)
     stats.prefill_s = time.perf_counter() - t_start
     t_gen, y = time.perf_counter(), target_prompt[-1]

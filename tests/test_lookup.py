@@ -57,12 +57,12 @@ def test_history_index_counts_merges_saves_and_stays_bounded(tmp_path):
     assert json.loads((tmp_path / "h.json").read_text())["order"] == 2
 
 
-def decode(pair, prompt, history=None, **cfg):
+def decode(pair, prompt, history=None, scheduler=None, **cfg):
     msgs = user_messages(prompt)
     dp, tp = encode_prompt(pair.draft_tok, msgs, True), encode_prompt(pair.target_tok, msgs, True)
     stats = SpecStats()
     out = [t for new, _ in speculative_generate(pair, dp, tp, SpecConfig(**{"max_tokens": 40, **cfg}), stats,
-                                                history=history) for t in new]
+                                                history=history, scheduler=scheduler) for t in new]
     return out, stats
 
 

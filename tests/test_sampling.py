@@ -13,11 +13,15 @@ from omnidraft_mlx.bench.sampling_bias import exact_sequence_probs, fit, positio
 from omnidraft_mlx.pair import make_pair, vocab_size
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 
+from test_widths import padding_scheduler
+
 LENGTH, TEMP, TOP_P, SAMPLES = 3, 1.0, 0.95, 1500
 CASES = {
     "drafter": ("def add_", "drafter"),  # ~50 likely continuations: numbers, then "(x"
     # "add_" was followed by "1(x)" before: lookups propose it, the target often disagrees.
     "lookup": ("def add_1(x):\n    return x + 1\n\ndef add_", "context"),
+    # The drafter's one token padded with the context's continuation of it (a point mass).
+    "padded": ("def add_1(x):\n    return x + 1\n\ndef add_", "drafter,context"),
 }
 
 
@@ -29,24 +33,29 @@ def setup(request, tiny):
     tp = encode_prompt(tt, user_messages(prompt), True)
     eos = set(tt.eos_token_ids) | {pair.vmap.target_eos}
 
-    def sample():
-        return sample_sequences(pair, prompt, "exact", SAMPLES, LENGTH, TEMP, TOP_P, sources=sources)
+    padded = request.param == "padded"
 
-    return sample, exact_sequence_probs(tm, tp, eos, LENGTH, TEMP, TOP_P)
+    def sample():
+        return sample_sequences(pair, prompt, "exact", SAMPLES, LENGTH, TEMP, TOP_P, k=1 if padded else 3,
+                                sources=sources, scheduler=padding_scheduler if padded else None)
+
+    return sample, exact_sequence_probs(tm, tp, eos, LENGTH, TEMP, TOP_P), padded
 
 
 def test_exact_mode_matches_target_distribution(setup):
-    sample, expected = setup
+    sample, expected, padded = setup
     counts, stats = sample()
     pvalue, categories = fit(counts, expected)
     assert categories >= 5  # a test with a handful of outcomes would prove little
     assert 0 < stats.accepted < stats.proposed  # both branches of the rule were exercised
+    if padded:  # and on the padding: held (accepted with p(t)) and rejected
+        assert 0 < stats.pad_held < stats.padded
     assert pvalue > 1e-3, f"exact sampling deviates from the target (p={pvalue:.2g})"
 
 
 def test_biased_variant_is_caught(setup, monkeypatch):
     """Sampling from p instead of the residual after a rejection: the classic bug."""
-    sample, expected = setup
+    sample, expected, _ = setup
     monkeypatch.setattr(spec, "residual", lambda p, q: p)
     counts, _ = sample()
     pvalue, _ = fit(counts, expected)
