@@ -23,8 +23,9 @@ tokens fastest wins.
 The guard is the plain option: a plain step makes exactly what plain decoding
 makes, so while no source is expected to beat it the loop decodes plainly.
 The drafter or plain, not chosen for a while, is probed (the text may have
-changed): tried for a few rated rounds, then judged against the best of the
-others; each lost probe doubles the wait before the next. A drafter's rounds
+changed): tried for a few rated rounds (plain for one: a plain step always
+makes one token), then judged against the best of the others; each lost probe
+doubles the wait before the next. A drafter's rounds
 vary (1 to k+1 tokens): rated on its last five rounds and judged on one, a
 drafter that paid 1.5x plain on average got 12 % of the rounds
 (test_lookup.py) and sat out whole replies where it paid.
@@ -162,8 +163,8 @@ class Scheduler:
         probes += [o for o in options if o[0] != best and self.round - self._rate(o[0]).last >= self._rate(o[0]).wait]
         if probes:
             key, choice = probes[0]
-            if not self._rate(key).trial:
-                self._rate(key).trial = self.probe_rounds
+            if not self._rate(key).trial:  # plain steps all make one token: one round tells their rate
+                self._rate(key).trial = 1 if key == PLAIN else self.probe_rounds
         elif best in free or not options:  # without the guard and a drafter, some lookup is verified
             key = best if best in free else guess
             choice = free[key]
