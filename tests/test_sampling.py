@@ -20,8 +20,10 @@ CASES = {
     "drafter": ("def add_", "drafter"),  # ~50 likely continuations: numbers, then "(x"
     # "add_" was followed by "1(x)" before: lookups propose it, the target often disagrees.
     "lookup": ("def add_1(x):\n    return x + 1\n\ndef add_", "context"),
-    # The drafter's one token padded with the context's continuation of it (a point mass).
-    "padded": ("def add_1(x):\n    return x + 1\n\ndef add_", "drafter,context"),
+    # The drafter's one token padded with the context's continuation of it (a point mass): the
+    # tiny target writes "5(x" now and then, and "6(x", "53(", "52("... ("1" is followed by "0"
+    # there, so a "1(x" seen before never held after a drafted "1").
+    "padded": ("def add_5(x):\n    return x + 5\n\ndef add_", "drafter,context"),
 }
 
 
