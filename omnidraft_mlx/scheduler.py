@@ -25,10 +25,10 @@ makes, so while no source is expected to beat it the loop decodes plainly.
 The drafter or plain, not chosen for a while, is probed (the text may have
 changed): tried for a few rated rounds (plain for one: a plain step always
 makes one token), then judged against the best of the others; each lost probe
-doubles the wait before the next. A drafter's rounds
-vary (1 to k+1 tokens): rated on its last five rounds and judged on one, a
-drafter that paid 1.5x plain on average got 12 % of the rounds
-(test_lookup.py) and sat out whole replies where it paid.
+doubles the wait before the next. A drafter's rounds vary (1 to k+1 tokens):
+rated on its last five rounds and judged on one, a drafter that paid 1.5x
+plain on average got 12 % of the rounds (test_lookup.py) and sat out whole
+replies where it paid.
 Without the guard some source drafts every round.
 
 A round in which the drafter first caught up on text that lookups drafted
