@@ -26,7 +26,7 @@ from omnidraft_mlx.bench.run import Decoding, Method, environment_base, rotated,
 from omnidraft_mlx.tasks import load_task
 
 DRAFT, TARGET = "smollm2-135m", "qwen2.5-coder-0.5b"
-TASKS = ("math", "code")
+TASKS = ("math", "complete")
 OUT = Path(__file__).parent / "results" / "adaptation"
 
 

@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--depths", default="4,6,8")
     parser.add_argument("--k", default="4", help="draft lengths for the derived drafter")
     parser.add_argument("--full-k", default="4", help="draft lengths for the full drafter")
-    parser.add_argument("--tasks", default="code,math,chat")
+    parser.add_argument("--tasks", default="complete,math,chat")
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per task")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--cost-rounds", type=int, default=3)

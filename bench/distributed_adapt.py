@@ -78,7 +78,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="1,2", help="world sizes, comma separated")
     p.add_argument("--prompts", type=int, default=16, help="prompts of the adaptation split per run")
-    p.add_argument("--task", default="code")
+    p.add_argument("--task", default="complete")
     p.add_argument("--draft", default="smollm2-135m")
     p.add_argument("--target", default="qwen2.5-coder-0.5b")
     p.add_argument("--interval", type=int, default=16)

@@ -40,7 +40,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from omnidraft_mlx.align import spelled_bytes
 from omnidraft_mlx.bench.report import prompt_speedup
 from omnidraft_mlx.bench.usecases import USE_CASES, edit_prompts, file_prompts, multiturn_prompts
-from omnidraft_mlx.tasks import TASKS, Prompt, load_task
+from omnidraft_mlx.tasks import TASKS, Prompt, check_task, load_task
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.models.pull import model_home
@@ -89,7 +89,7 @@ class BenchConfig:
         if not self.tasks and not self.prompts_file:
             raise OmniDraftError(f"no task to run: use --task {', '.join(BENCH_TASKS)} or all, or --prompts-file")
         for task in self.tasks:
-            check_choice("--task", task, BENCH_TASKS)
+            check_task(task, BENCH_TASKS)
         for source in self.sources:
             check_choice("--source", source, BENCH_SOURCES)
         check_range("--temp", self.temp, 0)

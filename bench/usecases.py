@@ -29,7 +29,7 @@ EDITS = (
     "Replace the docstring with a one-line summary, keep the code as it is, and show the whole updated code.",
 )
 FOLLOW_UPS = {
-    "code": ("Now add a docstring and type hints to your function and show the whole code again.",
+    "complete": ("Now add a docstring and type hints to your function and show the whole code again.",
              "Now write three assert-based tests for that function."),
     "math": ("Check your answer: go through your solution again, step by step.",
              "Now solve the same problem with every number in it doubled."),
@@ -40,7 +40,7 @@ FOLLOW_UPS = {
 
 def edit_prompts(n: int) -> list[Prompt]:
     prompts = []
-    for i, p in enumerate(load_task("code", "heldout")[:n]):
+    for i, p in enumerate(load_task("complete", "heldout")[:n]):
         code = p.reference.removeprefix("```python\n").removesuffix("```")
         name = re.findall(r"^def (\w+)\(", code, re.M)[-1]
         change = EDITS[i % len(EDITS)].format(name=name)

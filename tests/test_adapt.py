@@ -214,8 +214,8 @@ def test_task_corpus_text_mode_learns_the_reference_and_stream_answers_the_promp
 def test_task_corpus_interleaves_several_tasks():
     from omnidraft_mlx.adapt import task_corpus
 
-    single = {t: task_corpus(t, "adapt") for t in ("code", "math", "chat")}
-    mixed = task_corpus("code, math,chat", "adapt")
+    single = {t: task_corpus(t, "adapt") for t in ("complete", "math", "chat")}
+    mixed = task_corpus("complete, math,chat", "adapt")
     assert [s.messages for s in mixed[:6]] == [single[t][i].messages for i in (0, 1) for t in single]
     assert len(mixed) == sum(len(s) for s in single.values())
     assert mixed[-1].messages == single["math"][-1].messages  # the longest split's rest comes last

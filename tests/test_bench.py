@@ -46,17 +46,20 @@ def test_tasks_have_fixed_disjoint_splits():
         assert not {p.id for p in adapt} & {p.id for p in heldout}
         assert all(p.task == task and p.text.strip() for p in adapt + heldout)
         assert [p.id for p in heldout] == [p.id for p in load_task(task, "heldout")]
-    assert (len(load_task("math", "heldout")), len(load_task("code", "heldout")), len(load_task("chat", "heldout"))) == (319, 64, 20)
-    assert load_task("code", "heldout")[0].text.startswith("Complete this Python function:\n```python\n")
-    code, math = load_task("code", "adapt")[0], load_task("math", "adapt")[0]
+    assert [len(load_task(t, "heldout")) for t in ("math", "complete", "write", "chat")] == [319, 64, 20, 20]
+    assert load_task("complete", "heldout")[0].text.startswith("Complete this Python function:\n```python\n")
+    assert not any("```" in p.text or "def " in p.text for p in load_task("write", "heldout"))  # nothing to copy
+    code, math = load_task("complete", "adapt")[0], load_task("math", "adapt")[0]
     stub = code.text.split("```python\n", 1)[1].rstrip("`")
     assert code.reference.startswith("```python\n" + stub) and len(code.reference) > len(stub) + 20
     assert "<<" not in math.reference and re.search(r"\nThe answer is [\d,.-]+\.$", math.reference)
-    assert all(p.reference is None for p in load_task("chat", "adapt"))
-    with pytest.raises(OmniDraftError, match="unknown task"):
+    assert all(p.reference is None for p in load_task("chat", "adapt") + load_task("write", "adapt"))
+    with pytest.raises(OmniDraftError, match="unknown --task 'poetry'"):
         load_task("poetry", "adapt")
+    with pytest.raises(OmniDraftError, match="'code' is now 'complete'"):
+        load_task("code", "adapt")
     with pytest.raises(OmniDraftError, match="unknown split"):
-        load_task("code", "test")
+        load_task("complete", "test")
 
 
 def check_records(result: dict, methods: list[str]) -> None:
@@ -148,7 +151,7 @@ def test_bench_compares_sources_on_use_cases_and_user_prompts(tiny_dirs, home, t
 
 def test_bench_sampled_runs_compare_by_distribution(tiny_dirs, home, tmp_path):
     out = tmp_path / "out"
-    r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--task", "code",
+    r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--task", "complete",
                "--source", "drafter,fused", "--k", "3", "--temp", "0.7", "--seed", "3", "--prompts", "2",
                "--sampling", "exact,omnidraft", "--max-tokens", "12", "--out", str(out))
     assert r.exit_code == 0, r.output
@@ -163,7 +166,7 @@ def test_bench_sampled_runs_compare_by_distribution(tiny_dirs, home, tmp_path):
 
 def test_bench_compares_draft_length_policies(tiny_dirs, home, tmp_path):
     out = tmp_path / "out"
-    r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--task", "code",
+    r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--task", "complete",
                "--k", "3", "--policy", "confidence,heuristic,learned,oracle", "--gamma", "0.2,auto,0.8", "--prompts", "2",
                "--max-tokens", "24", "--out", str(out))
     assert r.exit_code == 0, r.output
@@ -180,7 +183,7 @@ def test_bench_compares_draft_length_policies(tiny_dirs, home, tmp_path):
 
 def test_bench_same_vocab_runs_mlx_lm_beside_ours(tiny_dirs, home, tmp_path):
     out = tmp_path / "out"
-    r = invoke("--draft", str(tiny_dirs["same"]), "--target", str(tiny_dirs["target"]), "--task", "code",
+    r = invoke("--draft", str(tiny_dirs["same"]), "--target", str(tiny_dirs["target"]), "--task", "complete",
                "--k", "2,3", "--translation", "text,tokens", "--quick", "--no-profile", "--out", str(out))
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
@@ -188,7 +191,7 @@ def test_bench_same_vocab_runs_mlx_lm_beside_ours(tiny_dirs, home, tmp_path):
     # Same vocabulary: no translation variants, and mlx-lm's speculative decoding beside ours.
     check_records(result, ["plain", "ours-k2", "ours-k3", "mlxlm-k2", "mlxlm-k3"])
     assert result["config"]["max_tokens"] == 32 and len(result["config"]["prompt_ids"]) == 1
-    assert result["config"]["prompt_ids"][0] == min(load_task("code", "heldout"), key=lambda p: len(p.text)).id
+    assert result["config"]["prompt_ids"][0] == min(load_task("complete", "heldout"), key=lambda p: len(p.text)).id
     mlxlm = [r for r in result["records"] if r["kind"] == "mlxlm"]
     assert all(r["draft_s"] is None and r["accepted"] > 0 for r in mlxlm)
 

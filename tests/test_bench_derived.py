@@ -26,11 +26,11 @@ def test_derived_bench_end_to_end(tiny_dirs, home, tmp_path, monkeypatch):  # no
     assert {"drafter cut to 1 layers", "tiny-1l", draft, target} == set(result["cost_ms"])
     assert result["derived_info"]["kept_layers"] in ([0], [1])
     records = result["records"]
-    assert len(records) == len(result["prompt_ids"]) * 7 == 21  # one prompt per task, code, math and chat
+    assert len(records) == len(result["prompt_ids"]) * 7 == 21  # one prompt per task, complete, math and chat
     # Greedy: every speculative output is the target's own.
     assert all(r["equal_to_plain"] for r in records)
     for label, rows in result["summary"].items():
-        assert list(rows) == ["code", "math", "chat", "all"]
+        assert list(rows) == ["complete", "math", "chat", "all"]
         for task, row in rows.items():
             mine = [r for r in records if r["method"] == label and task in ("all", r["task"])]
             assert row["tokens"] == sum(r["tokens"] for r in mine) and row["prompts"] == len(mine)

@@ -77,7 +77,7 @@ def test_chat_and_bench_reject_bad_settings(pair_dirs, tmp_path):
     bench = omnidraft(tmp_path, "bench", "--draft", draft, "--target", target, "--k", "0,3")
     assert "--k must be at least 1 (got 0)" in one_line_error(bench)
     bench = omnidraft(tmp_path, "bench", "--draft", draft, "--target", target, "--task", "poetry")
-    assert "unknown --task 'poetry': use one of code, math, chat" in one_line_error(bench)
+    assert "unknown --task 'poetry': use one of complete, write, math, chat" in one_line_error(bench)
 
 
 @pytest.mark.parametrize("make, says", [
@@ -97,9 +97,9 @@ def test_chat_and_bench_reject_bad_settings(pair_dirs, tmp_path):
     (lambda: DistillConfig(lora_rank=-1), "--rank"),
     (lambda: DistillConfig(layers=0), "--layers"),
     (lambda: DistillConfig(batch=0), "--batch"),
-    (lambda: BenchConfig("d", "t", ["code"], translations=["bytes"]), "--translation"),
-    (lambda: BenchConfig("d", "t", ["code"], policies=["psychic"]), "--policy"),
-    (lambda: BenchConfig("d", "t", ["code"], time_limit_s=-60.0), "--time-limit"),
+    (lambda: BenchConfig("d", "t", ["complete"], translations=["bytes"]), "--translation"),
+    (lambda: BenchConfig("d", "t", ["complete"], policies=["psychic"]), "--policy"),
+    (lambda: BenchConfig("d", "t", ["complete"], time_limit_s=-60.0), "--time-limit"),
 ])
 def test_settings_check_themselves(make, says):
     with pytest.raises(OmniDraftError, match=says) as e:
@@ -113,7 +113,7 @@ def test_good_settings_pass():
     PolicyConfig(name="fixed", k=12)  # a fixed length needs no cap
     PolicyConfig(name="learned", gamma=None)
     DistillConfig(lora_rank=0, layers=-1)
-    BenchConfig("d", "t", ["code", "math", "chat"], translations=["text", "tokens"], policies=["oracle"],
+    BenchConfig("d", "t", ["complete", "math", "chat"], translations=["text", "tokens"], policies=["oracle"],
                 gammas=[None, 0.0, 1.0])
 
 
