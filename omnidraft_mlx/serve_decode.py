@@ -1,0 +1,147 @@
+"""One request's decode for `omnidraft serve`: its prompts encoded, the speculative loop run on
+the prompt cache, and its text streamed back to the request as events.
+
+A Job carries a request from the HTTP thread to the engine's thread; the decode
+emits ("text", piece) events as rounds finish, cut at the request's stop
+strings, then ("done", Result) or ("error", ApiError). The client's request
+waits on those events in the server's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from omnidraft_mlx.promptcache import CacheUse
+from omnidraft_mlx.prompts import encode_prompt
+from omnidraft_mlx.serve_schema import ApiError, Sampling, stop_strings
+
+
+@dataclass
+class Job:
+    """One request's generation: its prompts and settings; events flow back to the request's loop."""
+
+    draft_ids: list[int]
+    target_ids: list[int]
+    spec: object  # SpecConfig
+    stops: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, kind: str, payload) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the server's loop has closed: nobody is listening
+            self.cancelled.set()
+
+
+@dataclass
+class Result:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    speculative: dict
+
+
+class StopText:
+    """Streamed text cut at the first stop string; text that may begin one is held back."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.pending = stops, ""
+
+    def add(self, text: str) -> tuple[str, bool]:
+        """(text safe to send, whether a stop string was reached)."""
+        self.pending += text
+        hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        held = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
+        out, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@dataclass
+class Decoder:
+    """The pair and what decoding keeps between requests: prompt cache, policy, history, scheduler."""
+
+    cfg: object  # ServeConfig
+    pair: object
+    policy: object
+    history: object
+    scheduler: object
+    prompt_cache: object
+    limit: int | None  # the shorter context of the two models, if known
+
+    def prepare(self, messages: list[dict], raw: bool, req: Sampling, loop) -> Job:
+        """Encode a request for both models and check it against the context (any thread)."""
+        from omnidraft_mlx.speculative import SpecConfig
+
+        cfg = self.cfg
+        draft_ids = encode_prompt(self.pair.draft_tok, messages, raw)
+        target_ids = encode_prompt(self.pair.target_tok, messages, raw)
+        longest = max(len(draft_ids), len(target_ids))
+        room = self.limit - longest - cfg.policy.k - 1 if self.limit else None
+        if room is not None and room < 1:
+            raise ApiError(400, f"the prompt is {longest} tokens and this model's context is {self.limit} tokens: "
+                                "shorten the prompt", "messages" if not raw else "prompt", "context_length_exceeded")
+        max_tokens = req.max_completion_tokens or req.max_tokens or cfg.max_tokens
+        seed = req.seed if req.seed is not None else (secrets.randbits(31) if req.temperature > 0 else 0)
+        spec = SpecConfig(k=cfg.policy.k, temp=req.temperature, top_p=req.top_p, seed=seed,
+                          max_tokens=min(max_tokens, room) if room is not None else max_tokens,
+                          sources=cfg.sources, guard=cfg.guard)
+        return Job(draft_ids, target_ids, spec, stop_strings(req), loop, asyncio.Queue())
+
+    def generate(self, job: Job) -> tuple[Result, list[int]]:
+        """Decode the job, emitting its text; (the result, the reply's target ids)."""
+        from omnidraft_mlx.speculative import SpecStats
+        from omnidraft_mlx.textstream import TextStream
+
+        stats, use = SpecStats(), CacheUse()
+        text, stop = TextStream(self.pair.vmap.target_bytes), StopText(job.stops)
+        ids, finish, ttft = [], None, None
+        start = time.perf_counter()
+        for new, _ in self.prompt_cache.generate(self.pair, job.draft_ids, job.target_ids, job.spec, stats,
+                                                 self.policy, use, history=self.history,
+                                                 scheduler=self.scheduler):
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+            ids += new
+            piece, stopped = stop.add("".join(text.add(t) for t in new))
+            if piece:
+                job.emit("text", piece)
+            if stopped:
+                finish = "stop"
+                break
+            if job.cancelled.is_set():
+                finish = "cancelled"
+                break
+        if finish is None:
+            finish = "length" if len(ids) >= job.spec.max_tokens else "stop"
+            piece, stopped = stop.add(text.finish())
+            piece += "" if stopped else stop.flush()
+            if piece:
+                job.emit("text", piece)
+        return Result(finish, len(job.target_ids), len(ids), use.target_tokens, self.report(stats, use, ttft)), ids
+
+    def report(self, stats, use: CacheUse, ttft: float | None) -> dict:
+        """usage.speculative: what the drafter did for one reply."""
+        return {
+            "draft_model": self.cfg.draft,
+            "proposed": stats.proposed,
+            "accepted": stats.accepted,
+            "acceptance": round(stats.acceptance, 4),
+            "target_forwards": stats.rounds,
+            "tokens_per_target_forward": round(stats.tokens_per_forward, 3),
+            "draft_cached_tokens": use.draft_tokens,
+            "time_to_first_token_s": round(ttft or 0.0, 4),
+            "tokens_per_s": round(stats.tokens_per_s, 2),
+        }

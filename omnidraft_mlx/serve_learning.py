@@ -1,0 +1,74 @@
+"""What `omnidraft serve` learns from its replies, and saving it into the pair's profile.
+
+The n-gram cache and the acceptance head learn as the pair decodes; here each
+reply is also queued for the drafter's next update (as `omnidraft chat` does).
+The engine calls idle() when its queue has been empty a moment: a due drafter
+update runs then (a request that arrives meanwhile waits for it), and what was
+learned is saved into the profile, under its lock and merged with what other
+processes saved meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from dataclasses import dataclass
+
+from omnidraft_mlx.errors import OmniDraftError
+
+log = logging.getLogger("omnidraft.serve")
+
+
+@dataclass
+class Learning:
+    pair: object
+    profile: object | None  # None: --no-profile, nothing saved
+    learner: object | None  # None: --no-adapt, or an update failed
+    prompt_cache: object  # its drafter caches go stale with each update
+    dirty: bool = False  # learned something not yet saved
+    saves: int = 0
+
+    @property
+    def pending(self) -> bool:
+        """Something for idle() to do."""
+        return self.dirty or self.update_due
+
+    @property
+    def update_due(self) -> bool:
+        return self.learner is not None and len(self.learner.buffer) >= self.learner.interval
+
+    def observe(self, draft_ids: list[int], target_ids: list[int], reply: list[int]) -> None:
+        """A reply was served: save soon, and queue it for the drafter's next update, after the
+        tail of each prompt (a training sequence must keep the reply within the learner's max_len)."""
+        from omnidraft_mlx.distill import make_example
+
+        self.dirty = True
+        if reply and self.learner is not None:
+            tail = self.learner.cfg.max_len // 4
+            self.learner.add(make_example(self.pair, draft_ids[-tail:], target_ids[-tail:], reply,
+                                          self.learner.cfg.max_len))
+
+    def idle(self) -> None:
+        """Between requests: a due drafter update, then save the n-grams and the acceptance head."""
+        if self.update_due:
+            try:
+                report = self.learner.update()  # saves the adapter into the profile
+                log.info("drafter update %d: loss %.3f, %.1fs", report.update, report.loss, report.seconds)
+            except Exception:
+                log.error("the drafter update failed; drafter learning stops:\n%s", traceback.format_exc())
+                self.learner = None
+            finally:
+                self.prompt_cache.drafter_changed()  # new drafter weights: its cached prefixes are stale
+        self.save()
+
+    def save(self) -> None:
+        """The n-grams and the acceptance head into the profile (under its lock, merged
+        with what other processes saved meanwhile; atomically)."""
+        if self.profile is None or not self.dirty:
+            return
+        try:
+            self.profile.save()
+            self.saves += 1
+        except (OSError, OmniDraftError) as e:
+            log.error("could not save the profile: %s", e)
+        self.dirty = False

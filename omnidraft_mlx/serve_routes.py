@@ -1,0 +1,116 @@
+"""The HTTP side of `omnidraft serve`: the FastAPI app, its routes, errors and API key.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
+A request is parsed and encoded here (in a worker thread), queued on the
+engine, and answered from its job's events (serve_replies.py). Every error
+reaches the client as an OpenAI error body; nothing here stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import traceback
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.serve_replies import complete, error_response, stream
+from omnidraft_mlx.serve_schema import (ApiError, ChatRequest, CompletionRequest, Sampling, chat_messages,
+                                        completion_prompt, parse)
+
+log = logging.getLogger("omnidraft.serve")
+
+
+class RequireKey:
+    """ASGI middleware: /v1/ requests need 'Authorization: Bearer KEY' (/health stays open)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            sent = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(sent, self.expected):
+                response = error_response(ApiError(401, "missing or wrong API key: send the header "
+                                                        "'Authorization: Bearer KEY' with the server's --api-key",
+                                                   code="invalid_api_key"))
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every failure as an OpenAI error body: ours, bad values, HTTP (404, 405) and bugs (500)."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return error_response(e)
+
+    @app.exception_handler(OmniDraftError)
+    async def _bad_value(request, e: OmniDraftError):
+        return error_response(ApiError(400, str(e)))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, e: HTTPException):
+        return error_response(ApiError(e.status_code, str(e.detail), code=None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        log.error("request failed:\n%s", traceback.format_exc())
+        return error_response(ApiError(500, f"internal error ({type(e).__name__}): see the server's log",
+                                       kind="server_error"))
+
+
+async def respond(engine, request: Request, req: Sampling, messages: list[dict], raw: bool, chat: bool):
+    """Queue the request's job; its reply, streamed or whole."""
+    target = engine.cfg.target
+    if req.model is not None and req.model != target:
+        raise ApiError(404, f"the model '{req.model}' does not exist here: this server serves "
+                            f"'{target}' (GET /v1/models)", "model", "model_not_found")
+    job = await run_in_threadpool(engine.decoder.prepare, messages, raw, req, asyncio.get_running_loop())
+    engine.submit(job)
+    head = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(time.time()),
+            "model": target}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(stream(job, head, chat, include_usage), media_type="text/event-stream")
+    return await complete(request, job, head, chat)
+
+
+def make_app(engine) -> FastAPI:
+    cfg = engine.cfg
+    app = FastAPI(title="omnidraft", docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app)
+    if cfg.api_key:
+        app.add_middleware(RequireKey, key=cfg.api_key)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": cfg.target, "draft": cfg.draft, "generating": engine.generating,
+                "queued": engine.queued, "served": engine.served, "cancelled": engine.cancelled,
+                "failed": engine.failed, "profile_saves": engine.learning.saves, "ngrams": len(engine.pair.ngrams),
+                "prompt_cache_bytes": engine.decoder.prompt_cache.nbytes}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.target, "object": "model", "created": 0,
+                                            "owned_by": "omnidraft", "draft": cfg.draft}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await parse(request, ChatRequest)
+        return await respond(engine, request, req, chat_messages(req), raw=False, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await parse(request, CompletionRequest)
+        return await respond(engine, request, req, [{"role": "user", "content": completion_prompt(req)}],
+                             raw=True, chat=False)
+
+    return app
