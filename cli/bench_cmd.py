@@ -9,8 +9,8 @@ from typing import Optional
 
 import typer
 
+from omnidraft_mlx.cli import options
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 QUICK_PROMPTS, QUICK_TOKENS = 1, 32
 
@@ -85,8 +85,8 @@ def _progress():
 
 
 def bench(
-    draft: str = typer.Option(DEFAULT_DRAFT, "--draft", "-d", help="Drafter: catalog name, directory, .gguf or hub id."),
-    target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help="Target: catalog name, directory, .gguf or hub id."),
+    draft: str = options.DRAFT,
+    target: str = options.TARGET,
     task: Optional[str] = typer.Option(None, "--task", help="code, math, chat, edit, multiturn, comma-separated, or all (the default, unless --prompts-file is given)."),
     source: str = typer.Option("drafter", "--source", help="Method families, comma-separated: drafter (the model drafter alone), lookup (context and history lookups alone), fused (both, picked per round)."),
     guard: str = typer.Option("on", "--guard", help="lookup and fused methods: on, off (suffix -noguard) or on,off."),
@@ -115,36 +115,19 @@ def bench(
     Writes bench.json (every record and the environment), summary.md and PNG plots;
     the profile of the pair is read but never written.
     """
-    from omnidraft_mlx.atomic import atomic_write_text
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
 
     warn_if_slow_blas(err_console)
     if forward_cost is not None:
-        from omnidraft_mlx.bench.forward_cost import run_forward_cost
-
-        names = [n.strip() for n in forward_cost.split(",") if n.strip()]
-        if not names:
-            raise OmniDraftError("--forward-cost needs model names, e.g. smollm2-135m,qwen2.5-coder-0.5b")
-        with _progress() as progress:
-            result = run_forward_cost(names, progress)
-        path = (out or Path("omnidraft-bench")) / "forward_cost.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(result, indent=1))
-        for name, m in result["models"].items():
-            ms = " / ".join(f"{v:.0f}" for v in m["forward_ms"].values())
-            console.print(f"{name}: decode {m['decode_tokens_per_s']:.1f} tok/s, forward over "
-                          f"{'/'.join(m['forward_ms'])} tokens: {ms} ms ({m['cached_tokens']} cached), "
-                          f"of which building the one-token graph {m['graph_build_ms']:.1f} ms")
-        console.print(f"wrote {path}")
-        return
+        return _forward_cost(forward_cost, out or Path("omnidraft-bench"))
 
     from omnidraft_mlx.bench.report import write_results
-    from omnidraft_mlx.bench.run import BENCH_TASKS, BenchConfig, run_bench
+    from omnidraft_mlx.bench.run import BenchConfig, run_bench
     from omnidraft_mlx.policy import parse_gamma
 
     cfg = BenchConfig(
-        draft=draft, target=target, tasks=list(BENCH_TASKS) if (task or ("" if prompts_file else "all")) == "all" else _names(task or ""),
+        draft=draft, target=target, tasks=_tasks(task, prompts_file),
         sources=_names(source), guards=[_on_off(g) for g in _names(guard)], temp=temp, seed=seed,
         prompts_file=str(prompts_file) if prompts_file else None, fixed=fixed,
         ks=_integers(k, "--k"), translations=_names(translation), samplings=_names(sampling),
@@ -159,3 +142,32 @@ def bench(
         result = run_bench(cfg, progress)
     files = write_results(result, out, console)
     console.print("wrote " + ", ".join(str(p) for p in files.values()))
+
+
+def _tasks(task: Optional[str], prompts_file: Optional[Path]) -> list[str]:
+    """The --task list: every benchmark task by default, none by default beside --prompts-file."""
+    from omnidraft_mlx.bench.run import BENCH_TASKS
+
+    return list(BENCH_TASKS) if (task or ("" if prompts_file else "all")) == "all" else _names(task or "")
+
+
+def _forward_cost(models: str, out: Path) -> None:
+    """`bench --forward-cost`: each model's plain decode speed and forward cost, into out/forward_cost.json."""
+    from omnidraft_mlx.atomic import atomic_write_text
+    from omnidraft_mlx.bench.forward_cost import run_forward_cost
+    from omnidraft_mlx.cli.main import console
+
+    names = _names(models)
+    if not names:
+        raise OmniDraftError("--forward-cost needs model names, e.g. smollm2-135m,qwen2.5-coder-0.5b")
+    with _progress() as progress:
+        result = run_forward_cost(names, progress)
+    path = out / "forward_cost.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(result, indent=1))
+    for name, m in result["models"].items():
+        ms = " / ".join(f"{v:.0f}" for v in m["forward_ms"].values())
+        console.print(f"{name}: decode {m['decode_tokens_per_s']:.1f} tok/s, forward over "
+                      f"{'/'.join(m['forward_ms'])} tokens: {ms} ms ({m['cached_tokens']} cached), "
+                      f"of which building the one-token graph {m['graph_build_ms']:.1f} ms")
+    console.print(f"wrote {path}")

@@ -15,7 +15,6 @@ import typer
 
 from omnidraft_mlx.cli import options
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 PROMPT, MORE = "you> ", "...> "
 BLOCK = '"""'
@@ -64,47 +63,67 @@ def read_message() -> str:
 
 
 def chat(
-    draft: str = typer.Option(DEFAULT_DRAFT, "--draft", "-d", help="Drafter: catalog name, directory, .gguf or hub id."),
-    target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help="Target: catalog name, directory, .gguf or hub id."),
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
-    k: int = typer.Option(4, "--k", "-k", help="Draft tokens per round."),
-    policy: str = typer.Option("learned", "--policy", help="Draft length: learned (default: fixed --k until its head has learned; saved in the profile), fixed, confidence or heuristic."),
-    gamma: str = typer.Option("auto", "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this; auto: set from the measured drafter and target costs."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
+    draft: str = options.DRAFT,
+    target: str = options.TARGET,
+    system: Optional[str] = options.SYSTEM,
+    k: int = options.K,
+    policy: str = options.POLICY,
+    gamma: str = options.GAMMA,
+    temp: float = options.TEMP,
+    top_p: float = options.TOP_P,
     max_tokens: int = typer.Option(512, "--max-tokens", help="Most tokens per reply."),
-    seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
+    seed: int = options.SEED,
     context: Optional[int] = typer.Option(None, "--context", help="Most tokens of conversation sent to the models "
                                           "(default: the models' limit); older turns are trimmed."),
-    show_draft: bool = typer.Option(False, "--show-draft", help="Colour the tokens that came from the drafter."),
+    show_draft: bool = options.SHOW_DRAFT,
     adapt: bool = typer.Option(True, "--adapt/--no-adapt", help="Update the drafter from the replies (pause with /adapt off)."),
     adapt_every: int = typer.Option(4, "--adapt-every", help="Replies gathered per drafter update."),
     source: str = options.SOURCE,
     no_guard: bool = options.NO_GUARD,
-    no_profile: bool = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile."),
+    no_profile: bool = options.NO_PROFILE,
 ) -> None:
     """Chat with TARGET, DRAFT speculating; the pair learns from the conversation."""
     from omnidraft_mlx.blas import warn_if_slow_blas
-    from omnidraft_mlx.chat import ChatConfig, ChatSession, Conversation, make_learner
-    from omnidraft_mlx.cli.chat_view import command
-    from omnidraft_mlx.cli.main import console, err_console
-    from omnidraft_mlx.loading import load_model
-    from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy, parse_gamma
-    from omnidraft_mlx.profile import load_profile
+    from omnidraft_mlx.chat import ChatConfig
+    from omnidraft_mlx.cli.main import err_console
+    from omnidraft_mlx.policy import PolicyConfig, check_policy, parse_gamma
 
     # The settings check themselves (one-line errors), before any model loads.
     cfg = ChatConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed, context=context,
                      adapt=adapt, adapt_every=adapt_every, sources=source, guard=not no_guard)
     policy_cfg = PolicyConfig(name=check_policy(policy), k=k, max_k=max(k, PolicyConfig.max_k), gamma=parse_gamma(gamma))
     warn_if_slow_blas(err_console)
+    session, on_save = _open_session(draft, target, system, cfg, policy_cfg, no_profile)
+    # Ctrl-C stops a reply even when the chat was started with SIGINT ignored, as a background
+    # job of a script is (POSIX), and Python then installs no handler of its own.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    history = _setup_history() if sys.stdin.isatty() else None
+    try:
+        _converse(session, colour=show_draft and sys.stdout.isatty())
+    finally:
+        if on_save:
+            on_save()
+        if history:
+            _save_history(history)
+
+
+def _open_session(draft: str, target: str, system: Optional[str], cfg, policy_cfg, no_profile: bool):
+    """Load the pair and its profile, time the target's plain step and say what was loaded:
+    (the session, what saves the profile or None)."""
+    from omnidraft_mlx.chat import ChatSession, Conversation, make_learner
+    from omnidraft_mlx.cli.main import console
+    from omnidraft_mlx.loading import load_model
+    from omnidraft_mlx.pair import make_pair
+    from omnidraft_mlx.policy import DraftPolicy
+    from omnidraft_mlx.profile import load_profile
+
     with console.status(f"loading {draft} and {target}"):
         draft_model, draft_tok = load_model(draft)
         target_model, target_tok = load_model(target)
         # The profile's adapter goes into the drafter: fused, or trainable when learning goes on.
-        profile = None if no_profile else load_profile(draft, target, draft_model, trainable=adapt)
+        profile = None if no_profile else load_profile(draft, target, draft_model, trainable=cfg.adapt)
         pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile.ngrams if profile else None)
-        learner = make_learner(pair, profile, adapt_every) if adapt else None
+        learner = make_learner(pair, profile, cfg.adapt_every) if cfg.adapt else None
     draft_policy = DraftPolicy(policy_cfg)
     replies_index = None
     if profile:
@@ -120,39 +139,36 @@ def chat(
         f" | plain target {1 / session.plain_step_s:.1f} tok/s\n"
         "[dim]/help for commands, Ctrl-C stops a reply, Ctrl-D or /quit leaves[/]"
     )
-    # Ctrl-C stops a reply even when the chat was started with SIGINT ignored, as a background
-    # job of a script is (POSIX), and Python then installs no handler of its own.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    history = _setup_history() if sys.stdin.isatty() else None
-    colour = show_draft and sys.stdout.isatty()
-    try:
-        while True:
-            try:
-                text = read_message()
-            except KeyboardInterrupt:
-                console.print("\n[dim](Ctrl-D or /quit leaves)[/]")
-                continue
-            except EOFError:
-                console.print()
-                break
-            try:
-                if text.startswith("/"):
-                    out, quit_ = command(session, text)
-                    if out:
-                        console.print(out, markup=False)
-                    if quit_:
-                        break
-                elif text.strip():
-                    _reply(session, text, colour, console)
-            except OmniDraftError as e:
-                err_console.print(f"[bold red]error:[/] {e}")
-            except KeyboardInterrupt:  # a second Ctrl-C, after the one that stopped the reply
-                console.print("\n[dim](interrupted; Ctrl-D or /quit leaves)[/]")
-    finally:
-        if on_save:
-            on_save()
-        if history:
-            _save_history(history)
+    return session, on_save
+
+
+def _converse(session, colour: bool) -> None:
+    """Read messages and answer them (a reply, or an in-chat command) until Ctrl-D or /quit."""
+    from omnidraft_mlx.cli.chat_view import command
+    from omnidraft_mlx.cli.main import console, err_console
+
+    while True:
+        try:
+            text = read_message()
+        except KeyboardInterrupt:
+            console.print("\n[dim](Ctrl-D or /quit leaves)[/]")
+            continue
+        except EOFError:
+            console.print()
+            break
+        try:
+            if text.startswith("/"):
+                out, quit_ = command(session, text)
+                if out:
+                    console.print(out, markup=False)
+                if quit_:
+                    break
+            elif text.strip():
+                _reply(session, text, colour, console)
+        except OmniDraftError as e:
+            err_console.print(f"[bold red]error:[/] {e}")
+        except KeyboardInterrupt:  # a second Ctrl-C, after the one that stopped the reply
+            console.print("\n[dim](interrupted; Ctrl-D or /quit leaves)[/]")
 
 
 def _reply(session, text: str, colour: bool, console) -> None:

@@ -201,6 +201,33 @@ def _eos_ids(reader, config: dict) -> list:
     return ids
 
 
+def _hf_weights(reader, arch: str, mx_dtype) -> dict:
+    """Every tensor of the GGUF, dequantized, as mlx-lm expects it, under its Hugging Face name."""
+    import mlx.core as mx
+
+    n_head = int(_meta(reader, f"{arch}.attention.head_count"))
+    n_kv = int(_meta(reader, f"{arch}.attention.head_count_kv", n_head))
+
+    # Check every tensor before the slow part, so bad input fails at once.
+    for t in reader.tensors:
+        hf_name(t.name, arch)
+        if t.tensor_type.name not in SUPPORTED_QUANTS:
+            _dequantize(t)
+
+    weights = {}
+    for t in reader.tensors:
+        w = _dequantize(t)
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _unpermute(w, n_head)
+        elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _unpermute(w, n_kv)
+        if arch == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's (1 + w); mlx-lm adds the 1 itself
+        weights[hf_name(t.name, arch)] = mx.array(w).astype(mx_dtype)
+        del w
+    return weights
+
+
 def convert_gguf(gguf_path, out_dir, dtype=None, sha256=None) -> Path:
     """Convert `gguf_path` into the MLX model directory `out_dir` (replaced atomically).
 
@@ -222,31 +249,8 @@ def convert_gguf(gguf_path, out_dir, dtype=None, sha256=None) -> Path:
     dtype = dtype or default_dtype()
     if dtype == "float16" and arch == "gemma3":
         dtype = "bfloat16"  # Gemma activations overflow float16
-    mx_dtype = getattr(mx, dtype)
-
-    names = {t.name for t in reader.tensors}
-    tied = "output.weight" not in names
-    n_head = int(_meta(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_meta(reader, f"{arch}.attention.head_count_kv", n_head))
-
-    # Check every tensor before the slow part, so bad input fails at once.
-    for t in reader.tensors:
-        hf_name(t.name, arch)
-        if t.tensor_type.name not in SUPPORTED_QUANTS:
-            _dequantize(t)
-
-    weights = {}
-    for t in reader.tensors:
-        w = _dequantize(t)
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = _unpermute(w, n_head)
-        elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = _unpermute(w, n_kv)
-        if arch == "gemma3" and t.name.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp stores Gemma's (1 + w); mlx-lm adds the 1 itself
-        weights[hf_name(t.name, arch)] = mx.array(w).astype(mx_dtype)
-        del w
-
+    weights = _hf_weights(reader, arch, getattr(mx, dtype))
+    tied = "output.weight" not in {t.name for t in reader.tensors}
     vocab_size = int(weights["model.embed_tokens.weight"].shape[0])
     config = model_config(reader, arch, vocab_size, tied)
     config["eos_token_id"] = _eos_ids(reader, config) or config.get("eos_token_id")

@@ -423,16 +423,12 @@ def _source_cache(src: Path, kind: str, *settings) -> Path:
     return model_home() / "derive" / f"{kind}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
 
 
-def derive(cfg: DeriveConfig, restart: bool = False, progress: bool = True) -> Path:
-    """Select, distill and write a cfg.layers-deep drafter; returns its directory."""
-    import mlx.core as mx
-    from mlx_lm import load
-
-    name = cfg.out_name()
-    if not name or "/" in name or name.startswith("."):
-        raise OmniDraftError(f"bad model name '{name}': use a plain name such as smollm2-135m-6l")
+def _check_request(cfg: DeriveConfig, name: str) -> Path:
+    """The source's model directory, once the name, the source and the budgets are usable."""
     from omnidraft_mlx.models.catalog import CATALOG
 
+    if not name or "/" in name or name.startswith("."):
+        raise OmniDraftError(f"bad model name '{name}': use a plain name such as smollm2-135m-6l")
     if name in CATALOG:
         raise OmniDraftError(f"'{name}' is a catalog model name; pass --name to choose another")
     src = Path(resolve_model(cfg.source))
@@ -442,6 +438,16 @@ def derive(cfg: DeriveConfig, restart: bool = False, progress: bool = True) -> P
         raise OmniDraftError(f"'{cfg.source}' is quantized: derive from a float model (models pull --dtype float32)")
     if cfg.minutes < 0 or cfg.replies < 0:
         raise OmniDraftError(f"--minutes and --replies must be >= 0, got {cfg.minutes} and {cfg.replies}")
+    return src
+
+
+def derive(cfg: DeriveConfig, restart: bool = False, progress: bool = True) -> Path:
+    """Select, distill and write a cfg.layers-deep drafter; returns its directory."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    name = cfg.out_name()
+    src = _check_request(cfg, name)
     teacher, tokenizer = load(str(src))
     full = _check_arch(teacher, cfg.source)
     if not 1 <= cfg.layers < len(full):
