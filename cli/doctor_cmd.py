@@ -39,7 +39,7 @@ def doctor() -> None:
     import mlx_lm
 
     from omnidraft_mlx.blas import active_blas, find_fast_blas, matmul_gflops, warn_if_slow_blas
-    from omnidraft_mlx.cli.main import console
+    from omnidraft_mlx.cli.main import console, print_table
     from omnidraft_mlx.models.pull import model_home
 
     table = Table(show_header=False, box=None)
@@ -52,5 +52,5 @@ def doctor() -> None:
     table.add_row("fast BLAS found", find_fast_blas() or "none")
     table.add_row("float32 matmul 512x512", f"{matmul_gflops():.1f} GFLOP/s")
     table.add_row("model home", str(model_home()))
-    console.print(table)
+    print_table(table)
     warn_if_slow_blas(console)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import sys
 
 import typer
@@ -15,8 +17,33 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+
+
+def _console(stderr: bool = False) -> Console:
+    """A terminal wraps long lines to its width; a pipe or a file gets each line whole."""
+    out = Console(stderr=stderr, highlight=False)
+    out.soft_wrap = not out.is_terminal
+    return out
+
+
+console = _console()
+err_console = _console(stderr=True)
+
+
+def print_table(table, out: Console | None = None) -> None:
+    """Print a rich table: fitted to a terminal's width; to a pipe or a file whole, each column
+    as wide as its widest cell, so that nothing is cut short and grep finds every row."""
+    out = out or console
+    if out.is_terminal:
+        out.print(table)
+        return
+    if table.title:  # a line of its own: rich wraps a title to the table's width
+        out.print(table.title, soft_wrap=True)
+        table = copy.copy(table)
+        table.title = None
+    whole = Console(width=100_000, file=io.StringIO(), highlight=False)
+    whole.print(table)
+    out.out("\n".join(line.rstrip() for line in whole.file.getvalue().splitlines()))
 
 
 def _register() -> None:

@@ -27,15 +27,15 @@ def _origin(row: dict) -> str:
 @app.command("list")
 def list_models():
     """Show catalog models and local models, with their state and size on disk."""
-    from rich.console import Console
     from rich.table import Table
 
+    from omnidraft_mlx.cli.main import print_table
     from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
     from omnidraft_mlx.models.pull import local_state, model_home
 
     table = Table(title=f"models in {model_home()}")
     for col in ("name", "role", "state", "dtype", "size", "description"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=col == "name")  # a terminal narrows the other columns first
     roles = {DEFAULT_DRAFT: "default drafter", DEFAULT_TARGET: "default target"}
     for row in local_state():
         state = {"ready": "[green]ready[/]", "not pulled": "[dim]not pulled[/]"}.get(row["status"], row["status"])
@@ -43,7 +43,7 @@ def list_models():
             row["name"], roles.get(row["name"], "" if row["catalog"] else _origin(row)), state,
             row["dtype"] if row["status"] == "ready" else "-", _human(row["size"]) if row["size"] else "-", row["description"],
         )
-    Console().print(table)
+    print_table(table)
 
 
 @app.command()
