@@ -106,15 +106,15 @@ def test_bench_cross_vocab_end_to_end(tiny_dirs, home, tmp_path):
     before = (profile_dir(draft, target) / "ngrams.json").read_bytes()
 
     out = tmp_path / "out"
-    r = invoke("--draft", draft, "--target", target, "--task", "code,math,chat", "--k", "2,3",
+    r = invoke("--draft", draft, "--target", target, "--task", ",".join(TASKS), "--k", "2,3",
                "--translation", "text,tokens", "--prompts", "2", "--max-tokens", "12", "--out", str(out))
     assert r.exit_code == 0, r.output
     for name in ("bench.json", "summary.md", "speedup.png", "k_sweep.png", "time_split.png"):
         assert (out / name).stat().st_size > 0
     result = json.loads((out / "bench.json").read_text())
     check_records(result, ["plain", "ours-k2", "ours-k2-tokens", "ours-k3", "ours-k3-tokens"])
-    assert len(result["config"]["prompt_ids"]) == 6
-    assert [load_task(t, "heldout")[0].id for t in TASKS] == result["config"]["prompt_ids"][:3]
+    assert len(result["config"]["prompt_ids"]) == 2 * len(TASKS)
+    assert [load_task(t, "heldout")[0].id for t in TASKS] == result["config"]["prompt_ids"][: len(TASKS)]
     assert result["config"]["ngram_cache_at_start"] == 1
     assert result["config"]["profile"]["ngrams"] == 1 and not result["config"]["profile"]["adapter"]
     assert (profile_dir(draft, target) / "ngrams.json").read_bytes() == before
