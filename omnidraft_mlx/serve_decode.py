@@ -2,9 +2,10 @@
 the prompt cache, and its text streamed back to the request as events.
 
 A Job carries a request from the HTTP thread to the engine's thread; the decode
-emits ("text", piece) events as rounds finish, cut at the request's stop
-strings, then ("done", Result) or ("error", ApiError). The client's request
-waits on those events in the server's event loop.
+emits events as rounds finish: ("text", piece) cut at the request's stop
+strings, ("tool_calls", [call]) once a call's text parses (serve_text.py),
+("logprobs", [entry]) if asked (serve_logprobs.py); then ("done", Result) or
+("error", ApiError). The client's request waits on them in the server's event loop.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import time
 from dataclasses import dataclass, field
 
 from omnidraft_mlx.promptcache import CacheUse
-from omnidraft_mlx.prompts import encode_prompt
-from omnidraft_mlx.serve_schema import ApiError, Sampling, stop_strings
+from omnidraft_mlx.serve_logprobs import token_logprobs
+from omnidraft_mlx.serve_schema import ApiError, ChatRequest, Sampling, stop_strings
+from omnidraft_mlx.serve_text import ReplyText
+from omnidraft_mlx.serve_tools import ToolPlan, encode, plan_tools
 
 
 @dataclass
@@ -30,6 +33,8 @@ class Job:
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    tools: ToolPlan = field(default_factory=ToolPlan)
+    logprobs: int | None = None  # alternatives per token; None: no log-probabilities
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, payload) -> None:
@@ -48,28 +53,6 @@ class Result:
     speculative: dict
 
 
-class StopText:
-    """Streamed text cut at the first stop string; text that may begin one is held back."""
-
-    def __init__(self, stops: list[str]):
-        self.stops, self.pending = stops, ""
-
-    def add(self, text: str) -> tuple[str, bool]:
-        """(text safe to send, whether a stop string was reached)."""
-        self.pending += text
-        hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
-        held = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
-        out, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
 @dataclass
 class Decoder:
     """The pair and what decoding keeps between requests: prompt cache, policy, history, scheduler."""
@@ -86,9 +69,9 @@ class Decoder:
         """Encode a request for both models and check it against the context (any thread)."""
         from omnidraft_mlx.speculative import SpecConfig
 
-        cfg = self.cfg
-        draft_ids = encode_prompt(self.pair.draft_tok, messages, raw)
-        target_ids = encode_prompt(self.pair.target_tok, messages, raw)
+        cfg, chat = self.cfg, isinstance(req, ChatRequest)
+        tools = plan_tools(req, self.pair.target_tok) if chat else ToolPlan()
+        draft_ids, target_ids = encode(self.pair, messages, raw, tools)
         longest = max(len(draft_ids), len(target_ids))
         room = self.limit - longest - cfg.policy.k - 1 if self.limit else None
         if room is not None and room < 1:
@@ -99,26 +82,25 @@ class Decoder:
         spec = SpecConfig(k=cfg.policy.k, temp=req.temperature, top_p=req.top_p, seed=seed,
                           max_tokens=min(max_tokens, room) if room is not None else max_tokens,
                           sources=cfg.sources, guard=cfg.guard)
-        return Job(draft_ids, target_ids, spec, stop_strings(req), loop, asyncio.Queue())
+        logprobs = (req.top_logprobs or 0) if chat and req.logprobs else None
+        return Job(draft_ids, target_ids, spec, stop_strings(req), loop, asyncio.Queue(), tools, logprobs)
 
     def generate(self, job: Job) -> tuple[Result, list[int]]:
-        """Decode the job, emitting its text; (the result, the reply's target ids)."""
+        """Decode the job, emitting its events; (the result, the reply's target ids)."""
         from omnidraft_mlx.speculative import SpecStats
-        from omnidraft_mlx.textstream import TextStream
 
-        stats, use = SpecStats(), CacheUse()
-        text, stop = TextStream(self.pair.vmap.target_bytes), StopText(job.stops)
+        stats, use, rows = SpecStats(), CacheUse(), []
+        reply = ReplyText(self.pair.vmap.target_bytes, job.stops, job.tools, job.emit)
         ids, finish, ttft = [], None, None
         start = time.perf_counter()
         for new, _ in self.prompt_cache.generate(self.pair, job.draft_ids, job.target_ids, job.spec, stats,
-                                                 self.policy, use, history=self.history,
-                                                 scheduler=self.scheduler):
+                                                 self.policy, use, history=self.history, scheduler=self.scheduler,
+                                                 on_logits=rows.append if job.logprobs is not None else None):
             ttft = ttft if ttft is not None else time.perf_counter() - start
             ids += new
-            piece, stopped = stop.add("".join(text.add(t) for t in new))
-            if piece:
-                job.emit("text", piece)
-            if stopped:
+            if rows and (logprobs := token_logprobs(rows.pop(), new, job.logprobs, self.token_bytes)):
+                job.emit("logprobs", logprobs)
+            if reply.add(new):
                 finish = "stop"
                 break
             if job.cancelled.is_set():
@@ -126,11 +108,13 @@ class Decoder:
                 break
         if finish is None:
             finish = "length" if len(ids) >= job.spec.max_tokens else "stop"
-            piece, stopped = stop.add(text.finish())
-            piece += "" if stopped else stop.flush()
-            if piece:
-                job.emit("text", piece)
+            reply.finish()
+        finish = "tool_calls" if reply.called and finish == "stop" else finish
         return Result(finish, len(job.target_ids), len(ids), use.target_tokens, self.report(stats, use, ttft)), ids
+
+    def token_bytes(self, token: int) -> bytes:
+        """A target token's bytes; a special token's, its text."""
+        return self.pair.vmap.target_bytes[token] or self.pair.target_tok.decode([token]).encode()
 
     def report(self, stats, use: CacheUse, ttft: float | None) -> dict:
         """usage.speculative: what the drafter did for one reply."""

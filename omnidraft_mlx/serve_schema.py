@@ -31,10 +31,51 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict = "{}"  # a JSON string, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
 
 
 class StreamOptions(BaseModel):
@@ -59,18 +100,56 @@ class Sampling(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+
+    def check(self) -> None:
+        """What a valid body may still ask that this server cannot give."""
+        if self.response_format and self.response_format.type != "text":
+            raise ApiError(400, f"response_format: '{self.response_format.type}' is not supported (this server "
+                                "does not constrain replies to JSON): leave it out or give {'type': 'text'}",
+                           "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
 
 
 class CompletionRequest(Sampling):
     prompt: str | list[str]
+    logprobs: int | None = None
+
+    def check(self) -> None:
+        if self.logprobs is not None:
+            raise ApiError(400, "logprobs: not supported on /v1/completions; /v1/chat/completions gives them",
+                           "logprobs")
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
+    """The messages as chat templates take them (tool-call arguments as objects, as templates write them)."""
     out = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": text}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name,
+                                               "arguments": arguments(c.function.arguments,
+                                                                      f"messages.{i}.tool_calls.{j}")}}
+                                 for j, c in enumerate(m.tool_calls)]
+        msg.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v is not None})
+        out.append(msg)
     return out
+
+
+def arguments(args: str | dict, where: str) -> dict:
+    if isinstance(args, dict):
+        return args
+    try:
+        return json.loads(args or "{}")
+    except ValueError:
+        raise ApiError(400, f"{where}.function.arguments: not valid JSON", f"{where}.function.arguments") from None
 
 
 def completion_prompt(req: CompletionRequest) -> str:
@@ -88,7 +167,7 @@ def stop_strings(req: Sampling) -> list[str]:
     return stops
 
 
-async def parse(request: Request, kind: type[BaseModel]):
+async def parse(request: Request, kind: type[ChatRequest | CompletionRequest]):
     """The JSON body as `kind` (whatever the content type says, as mlx-lm's and llama.cpp's servers do)."""
     try:
         data = json.loads(await request.body())
@@ -97,8 +176,10 @@ async def parse(request: Request, kind: type[BaseModel]):
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        return kind.model_validate(data)
+        req = kind.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ApiError(400, f"{where}: {first['msg']}", where) from None
+    req.check()
+    return req

@@ -8,7 +8,10 @@ saved. The parts, each its own module:
   serve_routes.py    the FastAPI app: routes, error bodies, the API key
   serve_replies.py   a job's events as one JSON reply or server-sent events
   serve_engine.py    the queue: one request decoded at a time, in order
-  serve_decode.py    one request: prompts encoded, the speculative loop, its text
+  serve_decode.py    one request: prompts encoded, the speculative loop, its events
+  serve_text.py      the reply's text cut at stop strings, split into content and tool calls
+  serve_tools.py     tools to the chat template, tool_choice, the target's tool-call parser
+  serve_logprobs.py  the target's log-probabilities of the tokens it emitted
   serve_learning.py  learning from the replies and saving it into the profile
 Prompt caches are kept between requests (promptcache.PromptCache), so a resent
 system prompt or conversation is not prefilled again.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -162,11 +162,12 @@ def speculative_generate(
     pair: Pair, draft_prompt: list[int], target_prompt: list[int], cfg: SpecConfig, stats: SpecStats,
     policy: DraftPolicy | None = None, history: HistoryIndex | None = None,
     target_slot: KVSlot | None = None, draft_slot: KVSlot | None = None, learn_history: bool = True,
-    scheduler: Scheduler | None = None,
+    scheduler: Scheduler | None = None, on_logits: Callable[[mx.array], None] | None = None,
 ) -> Iterator[tuple[list[int], list[bool]]]:
     """Yield (new target ids, which of them were drafted) after every round. Given slots,
     their caches are reused (common prefix kept); on return each holds what its cache holds.
-    A scheduler kept across replies starts each from what the earlier ones measured."""
+    A scheduler kept across replies starts each from what the earlier ones measured.
+    on_logits gets, before each yield, the target's logits that chose the new ids (a row each)."""
     policy = policy or DraftPolicy(PolicyConfig(k=cfg.k))
     target_eos = set(pair.target_tok.eos_token_ids) | {pair.vmap.target_eos}
     ctx = Context(target_prompt, rng=np.random.default_rng(cfg.seed))
@@ -200,6 +201,8 @@ def speculative_generate(
             for t in new:
                 ctx.text += pair.vmap.target_bytes[t] or b""
             pair.learn_ngrams(new)
+            if on_logits:
+                on_logits(out[: len(new)])
             stats.emitted, stats.generate_s = len(ctx.committed), time.perf_counter() - t_gen
             yield new, [i < n for i in range(len(new))]
             if stop is not None:

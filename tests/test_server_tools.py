@@ -1,0 +1,172 @@
+"""Tool calling, log-probabilities and response_format on `omnidraft serve`: the tool-call
+splitter on strings with mlx-lm's own parser (a tiny random model never writes a call), and the
+real server process on the tiny pair with the `openai` client (raw httpx for bad requests)."""
+
+import json
+
+import httpx
+import mlx.core as mx
+import pytest
+from mlx_lm.tool_parsers import json_tools
+from openai import OpenAI
+
+from omnidraft_mlx.generate import PlainStats, plain_generate
+from omnidraft_mlx.serve_text import ToolSplit
+from omnidraft_mlx.serve_tools import ToolFormat
+
+from test_server import KEY, error_of, start
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+QWEN = ToolFormat(json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call, [WEATHER])
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def split(text: str, pieces: list[int], opened: str | None = None) -> list:
+    """ToolSplit's events for `text` sent in pieces cut at these offsets, then finished."""
+    tools, events, cuts = ToolSplit(QWEN, opened), [], [0, *pieces, len(text)]
+    for a, b in zip(cuts, cuts[1:]):
+        events += tools.add(text[a:b])
+    events += tools.finish()
+    merged = []  # adjacent text events joined: where a piece ends is not the splitter's business
+    for kind, payload in events:
+        if merged and kind == merged[-1][0] == "text":
+            merged[-1] = ("text", merged[-1][1] + payload)
+        else:
+            merged.append((kind, payload))
+    return merged
+
+
+def calls_of(events) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for kind, p in events
+            if kind == "tool_calls" for c in p]
+
+
+def test_a_tool_call_is_split_from_the_text_wherever_the_pieces_break():
+    text = "Let me look.\n" + CALL + "\nDone."
+    for cut in range(1, len(text)):
+        events = split(text, [cut])
+        assert [k for k, _ in events] == ["text", "tool_calls", "text"], cut
+        assert events[0][1] == "Let me look.\n" and events[2][1] == "\nDone."
+        assert calls_of(events) == [("get_weather", {"city": "Paris"})]
+        (call,) = events[1][1]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+
+
+def test_two_calls_and_a_call_the_reply_ended_inside():
+    events = split(CALL + CALL.replace("Paris", "Lyon"), [5, 40, 90])
+    assert calls_of(events) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"})]
+    unclosed = split(CALL.removesuffix("\n</tool_call>"), [11])
+    assert calls_of(unclosed) == [("get_weather", {"city": "Paris"})]
+    ran_on = split(CALL.removesuffix("\n</tool_call>") + '\n{"name": "get_weather_args"}', [20])
+    assert calls_of(ran_on) == [("get_weather", {"city": "Paris"})]
+    assert ran_on[-1] == ("text", '\n{"name": "get_weather_args"}')  # written past the call: text
+    opened = split('get_weather", "arguments": {"city": "Paris"}}', [3], opened='\n{"name": "')
+    assert calls_of(opened) == [("get_weather", {"city": "Paris"})]
+
+
+def test_malformed_tool_calls_come_back_as_text():
+    for bad in ['<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>',  # not JSON
+                '<tool_call>\n["get_weather"]\n</tool_call>',  # JSON, not a call
+                '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
+                '<tool_call>\n{"name": "get_weather", "arguments": {"ci']:  # cut short (max_tokens)
+        assert split("ok " + bad, [4, 12]) == [("text", "ok " + bad)]
+    assert split("a <tool_ca", [3]) == [("text", "a <tool_ca")]  # held back, then let go at the end
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-tools")
+    srv = start(tiny_dirs, root / "home", root / "server.log", "--api-key", KEY, "--max-tokens", "16")
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def template_greedy(tiny, messages, tools, max_tokens):
+    """The target's greedy reply to the conversation as its chat template renders it: (prompt ids, reply)."""
+    model, tok = tiny["target"]
+    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    ids = list(tok.encode(text, add_special_tokens=False))
+    return ids, tok.decode(list(plain_generate(model, tok, ids, PlainStats(), max_tokens=max_tokens)))
+
+
+def test_a_conversation_with_a_tool_call_and_its_result_is_served(client, tiny, tiny_dirs):
+    messages = [{"role": "user", "content": "def weather(city):"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "call_1", "type": "function",
+                                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "print(add_3(18))"}]
+    rendered = [messages[0], {**messages[1], "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        messages[2]]
+    ids, text = template_greedy(tiny, rendered, [WEATHER], 12)
+    target = str(tiny_dirs["target"])
+
+    reply = client.chat.completions.create(model=target, messages=messages, tools=[WEATHER], max_tokens=12)
+    assert reply.choices[0].message.content == text and reply.usage.prompt_tokens == len(ids)
+    assert reply.choices[0].message.tool_calls is None  # this model has no tool-call format: all text
+    streamed = client.chat.completions.create(model=target, messages=messages, tools=[WEATHER], max_tokens=12,
+                                              tool_choice="auto", stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
+
+
+def test_logprobs_are_the_targets_own(client, tiny, tiny_dirs):
+    model, tok = tiny["target"]
+    messages = [{"role": "user", "content": "def add_3(x):"}]
+    reply = client.chat.completions.create(model=str(tiny_dirs["target"]), messages=messages, max_tokens=10,
+                                           logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 10
+    assert b"".join(bytes(e.bytes) for e in content).decode() == reply.choices[0].message.content
+
+    prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True))
+    ids = list(plain_generate(model, tok, prompt, PlainStats(), max_tokens=10))  # the same greedy reply
+    assert tok.decode(ids) == reply.choices[0].message.content
+    logits = model(mx.array(prompt + ids)[None])[0, len(prompt) - 1: -1].astype(mx.float32)
+    expected = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()
+    for e, t, row in zip(content, ids, expected):
+        assert e.logprob == pytest.approx(row[t], abs=2e-3)
+        assert e.top_logprobs[0].token == e.token  # greedy: the likeliest
+        assert [a.logprob for a in e.top_logprobs] == pytest.approx(sorted(row, reverse=True)[:3], abs=2e-3)
+
+    streamed = client.chat.completions.create(model=str(tiny_dirs["target"]), messages=messages, max_tokens=10,
+                                              logprobs=True, stream=True)
+    entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in entries] == [e.token for e in content] and all(not e.top_logprobs for e in entries)
+    plain = client.chat.completions.create(model=str(tiny_dirs["target"]), messages=messages, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+
+
+def test_what_the_server_cannot_honour_gets_a_400_and_it_keeps_serving(server, client, tiny_dirs):
+    url, auth = server.url + "/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    ok = {"messages": [{"role": "user", "content": "def add_3(x):"}], "max_tokens": 4}
+    post = lambda body, path="/v1/chat/completions": httpx.post(server.url + path, headers=auth, json=body,  # noqa: E731
+                                                                timeout=60)
+
+    for kind in ("json_object", "json_schema"):
+        err = error_of(post({**ok, "response_format": {"type": kind}}), 400)
+        assert err["param"] == "response_format" and "not supported" in err["message"]
+    assert post({**ok, "response_format": {"type": "text"}}).status_code == 200
+    err = error_of(post({**ok, "tools": [WEATHER], "tool_choice": "required"}), 400)
+    assert err["param"] == "tool_choice" and "no tool-call format" in err["message"]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert "no function 'get_time'" in error_of(post({**ok, "tools": [WEATHER], "tool_choice": named}), 400)["message"]
+    assert error_of(post({**ok, "tool_choice": "required"}), 400)["param"] == "tool_choice"
+    assert error_of(post({**ok, "tools": [{"type": "function", "function": {}}]}), 400)["param"].startswith("tools.0")
+    bad_call = {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                     "function": {"name": "f", "arguments": "{not json"}}]}
+    err = error_of(post({**ok, "messages": ok["messages"] + [bad_call]}), 400)
+    assert err["param"] == "messages.1.tool_calls.0.function.arguments"
+    assert error_of(post({**ok, "top_logprobs": 2}), 400)["param"] == "top_logprobs"
+    assert error_of(post({**ok, "logprobs": True, "top_logprobs": 21}), 400)["param"] == "top_logprobs"
+    completion = {"prompt": "def add_3(x):", "max_tokens": 4, "logprobs": 2}
+    assert error_of(post(completion, "/v1/completions"), 400)["param"] == "logprobs"
+
+    assert post(ok).json()["usage"]["completion_tokens"] == 4
+    assert server.health()["failed"] == 0
