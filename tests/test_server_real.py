@@ -1,0 +1,86 @@
+"""`omnidraft serve` on real models (SmolLM2-135M drafting for Qwen2.5-Coder-0.5B), over real HTTP:
+a tool-call round trip with the `openai` client, and an openai-agents agent that uses a tool.
+
+Qwen2.5-Coder-0.5B, asked with tool_choice "auto", writes its call as bare JSON
+(no <tool_call> tags), so these ask for the call ("required", or by name).
+"""
+
+import asyncio
+import json
+
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from omnidraft_mlx.bench.load_test import ServerProcess
+
+from test_server_tools import WEATHER
+
+pytestmark = pytest.mark.real
+DRAFT, TARGET = "smollm2-135m", "qwen2.5-coder-0.5b"
+QUESTION = {"role": "user", "content": "What is the weather in Paris? Use the tool."}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-real")
+    srv = ServerProcess(DRAFT, TARGET, root / "server.log", "--no-profile", "--no-adapt", "--max-tokens", "48")
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()
+
+
+def test_openai_tool_call_round_trip(server):
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    reply = client.chat.completions.create(model=TARGET, messages=[QUESTION], tools=[WEATHER], tool_choice="required",
+                                           temperature=0, max_tokens=32)
+    choice = reply.choices[0]
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == ("function", "get_weather",
+                                                                                    {"city": "Paris"})
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chunks = list(client.chat.completions.create(model=TARGET, messages=[QUESTION], tools=[WEATHER], tool_choice=named,
+                                                 temperature=0, max_tokens=32, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+        (0, "get_weather", {"city": "Paris"})]
+    assert deltas[0].id.startswith("call_") and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    said = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
+    result = {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 18, "sky": "cloudy"})}
+    answer = client.chat.completions.create(model=TARGET, messages=[QUESTION, said, result], tools=[WEATHER],
+                                            temperature=0, max_tokens=32)
+    assert answer.choices[0].message.content and answer.usage.prompt_tokens > reply.usage.prompt_tokens
+
+
+def test_an_openai_agents_agent_uses_a_tool_through_the_server(server):
+    """The agent picks the tool and its argument through the server, streamed and not; the tool's
+    result is its answer (stop_on_first_tool: after a tool result, with the tools still offered,
+    this small model writes JSON again rather than an answer)."""
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
+                        set_tracing_disabled)
+
+    set_tracing_disabled(True)  # nothing leaves the machine
+    asked = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        asked.append(city)
+        return f"{city}: 18 degrees Celsius, cloudy"
+
+    model = OpenAIChatCompletionsModel(model=TARGET, openai_client=AsyncOpenAI(base_url=server.url + "/v1",
+                                                                               api_key="none", max_retries=0))
+    agent = Agent(name="weather", instructions="Use the get_weather tool, then answer the question in one sentence.",
+                  tools=[get_weather], model=model, tool_use_behavior="stop_on_first_tool",
+                  model_settings=ModelSettings(temperature=0, max_tokens=48, tool_choice="required"))
+
+    async def ask() -> tuple[str, str]:  # one event loop: the client's connections belong to it
+        done = await Runner.run(agent, "What is the weather in Paris?", max_turns=2)
+        streamed = Runner.run_streamed(agent, "What is the weather in Lyon?", max_turns=2)
+        async for _ in streamed.stream_events():
+            pass
+        return done.final_output, streamed.final_output
+
+    assert asyncio.run(ask()) == ("Paris: 18 degrees Celsius, cloudy", "Lyon: 18 degrees Celsius, cloudy")
+    assert asked == ["Paris", "Lyon"]
