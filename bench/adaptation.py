@@ -85,11 +85,12 @@ def phase_before(args) -> None:
 def phase_adapt(args) -> None:
     from omnidraft_mlx.adapt import Budget, batch, open_learner, stream, text
     from omnidraft_mlx.distill import DistillConfig
-    from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
+    from omnidraft_mlx.policy import PolicyConfig, make_policy
     from omnidraft_mlx.speculative import SpecConfig
 
     cfg = DistillConfig(lam=args.lam, lr=args.lr, lora_rank=args.rank, steps=args.steps)
-    policy = DraftPolicy(PolicyConfig(name=args.policy, k=args.k))
+    # Batch mode trains the acceptance head, whatever --policy says (as `omnidraft adapt` does).
+    policy = make_policy(PolicyConfig(name=args.policy if args.mode == "stream" else "learned", k=args.k))
     learner = open_learner(args.draft, args.target, (*load(args.draft), *load(args.target)), cfg, args.interval,
                            path=profile_path(args), note=print, policy=policy)
     learner.corpus = "adaptation-split:" + ",".join(TASKS)

@@ -38,7 +38,8 @@ import numpy as np
 
 from omnidraft_mlx.bench.report import record_speedup, speedup
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.policy import FEATURES, DraftPolicy, PolicyConfig, parse_gamma, replay_depths, replay_recent
+from omnidraft_mlx.head import FEATURES, replay_depths, replay_recent
+from omnidraft_mlx.policy import DraftPolicy, FixedPolicy, LearnedPolicy, OraclePolicy, PolicyConfig, parse_gamma
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Reply:
     features: np.ndarray  # the head's features there, depth 0 and recent acceptance 1 (set per round)
 
 
-def teacher_forced(pair, policy: DraftPolicy, prompt: str, target_ids: list[int], task: str) -> Reply:
+def teacher_forced(pair, policy: LearnedPolicy, prompt: str, target_ids: list[int], task: str) -> Reply:
     from omnidraft_mlx.adapt import drafter_on_reply
     from omnidraft_mlx.prompts import encode_prompt, user_messages
 
@@ -123,7 +124,7 @@ def replay(reply: Reply, policy: DraftPolicy, cost: RoundCost, oracle: bool = Fa
     return seconds, rounds, proposed
 
 
-def fit_head(policy: DraftPolicy, replies: list[Reply], steps: int = 1500) -> None:
+def fit_head(policy: LearnedPolicy, replies: list[Reply], steps: int = 1500) -> None:
     """Fit the policy's head on the replayed labels of `replies` (as `adapt.head_labels` labels a reply)."""
     features, kept = [], []
     for r in replies:
@@ -132,7 +133,7 @@ def fit_head(policy: DraftPolicy, replies: list[Reply], steps: int = 1500) -> No
         f[:, DEPTH], f[:, RECENT] = depths, replay_recent(r.kept, depths, policy.cfg.recent_decay)
         features.append(f[depths >= 0])
         kept.append(r.kept[depths >= 0])
-    policy.learn(np.concatenate(features), np.concatenate(kept), steps=steps)
+    policy.head.learn(np.concatenate(features), np.concatenate(kept), steps=steps)
 
 
 def measured(records: list[dict], task: str, method: str) -> float | None:
@@ -172,12 +173,12 @@ def main(argv=None) -> None:
 
     pair, profile, _ = load_pair(BenchConfig(draft=cfg["draft"], target=cfg["target"], tasks=cfg["tasks"]))
     texts = {p.id: p.text for task in cfg["tasks"] for p in load_task(task, "heldout")}
-    feature_policy = DraftPolicy(PolicyConfig(name="learned", max_k=args.max_k))
+    feature_policy = LearnedPolicy(PolicyConfig(name="learned", max_k=args.max_k))
     replies = [teacher_forced(pair, feature_policy, texts[r["prompt_id"]], r["output"], r["task"])
                for r in records if r["kind"] == "plain"]
 
     def learned(gamma, fit_on=None):
-        policy = DraftPolicy(PolicyConfig(name="learned", max_k=args.max_k, gamma=gamma))
+        policy = LearnedPolicy(PolicyConfig(name="learned", max_k=args.max_k, gamma=gamma))
         if fit_on is None:
             load_head(policy, model_home() / profile["path"])
         else:
@@ -187,13 +188,13 @@ def main(argv=None) -> None:
     rows = []
     for task in cfg["tasks"]:
         task_replies = [r for r in replies if r.task == task]
-        methods = {f"ours-k{k}": lambda k=k: DraftPolicy(PolicyConfig(k=k)) for k in range(1, args.max_k + 1)}
+        methods = {f"ours-k{k}": lambda k=k: FixedPolicy(PolicyConfig(k=k)) for k in range(1, args.max_k + 1)}
         for gamma in gammas:
             suffix = "" if gamma is None else f"-g{gamma:g}"
             methods[f"ours-learned{suffix}"] = lambda g=gamma: learned(g)
             if args.in_sample:
                 methods[f"ours-insample{suffix}"] = lambda g=gamma: learned(g, fit_on=task_replies)
-        methods["ours-oracle"] = lambda: DraftPolicy(PolicyConfig(name="oracle", max_k=args.max_k))
+        methods["ours-oracle"] = lambda: OraclePolicy(PolicyConfig(name="oracle", max_k=args.max_k))
         for name, make in methods.items():
             policy = make()
             runs = [replay(r, policy, cost, oracle=name == "ours-oracle") for r in task_replies]

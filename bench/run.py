@@ -37,14 +37,13 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from omnidraft_mlx.align import spelled_bytes
 from omnidraft_mlx.bench.report import prompt_speedup
 from omnidraft_mlx.bench.usecases import USE_CASES, edit_prompts, file_prompts, multiturn_prompts
 from omnidraft_mlx.tasks import TASKS, Prompt, check_task, load_task
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.models.pull import model_home
-from omnidraft_mlx.policy import POLICIES, DraftPolicy, PolicyConfig
+from omnidraft_mlx.policy import POLICIES, DraftPolicy, LearnedPolicy, OraclePolicy, PolicyConfig, make_policy
 from omnidraft_mlx.profile import load_head
 from omnidraft_mlx.settings import check_choice, check_range
 from omnidraft_mlx.prompts import encode_prompt
@@ -171,46 +170,17 @@ def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
     return methods
 
 
-class OraclePolicy(DraftPolicy):
-    """Bench only: shown the target's greedy reply in advance, it drafts exactly as
-    long as the drafted text agrees with it and stops at the first wrong token
-    (proposed for free, no forward paid after it). No draft-length policy can stop
-    better with the same drafter, so its speedup bounds what any of them can gain."""
-
-    def __init__(self, cfg: PolicyConfig, vmap):
-        super().__init__(cfg)
-        self.vmap = vmap
-        self.reply = b""  # the target's greedy reply, set per prompt
-        self.committed = b""  # what the decoding has emitted so far
-        self.drafted = b""
-
-    def start(self, reply: list[int]) -> None:
-        self.reply = spelled_bytes(reply, self.vmap.target_bytes)
-        self.committed = b""
-
-    def advance(self, new: list[int]) -> None:
-        """The decoding emitted `new` (target ids)."""
-        self.committed += spelled_bytes(new, self.vmap.target_bytes)
-
-    def begin_round(self) -> None:
-        self.drafted = b""
-
-    def wants_more(self, logits, token: int, features, forward: bool = True) -> bool:
-        self.drafted += self.vmap.draft_bytes[token] or b""
-        return self.reply.startswith(self.committed + self.drafted)
-
-
 def make_policies(cfg: BenchConfig, methods: list[Method], profile: dict | None, vmap) -> dict[str, DraftPolicy]:
     """One policy per method for the whole run, so adaptive ones learn across prompts;
     the learned head starts from the profile's (never saved back)."""
     policies = {}
     for m in methods:
-        if m.policy == "oracle":
-            policies[m.name] = OraclePolicy(PolicyConfig(name=m.policy, k=m.k), vmap)
-        elif m.kind == "ours":
-            policies[m.name] = DraftPolicy(PolicyConfig(name=m.policy, k=m.k, gamma=m.gamma))
-            if m.policy == "learned" and profile is not None:
-                load_head(policies[m.name], model_home() / profile["path"])
+        if m.kind == "ours":
+            policy = policies[m.name] = make_policy(PolicyConfig(name=m.policy, k=m.k, gamma=m.gamma))
+            if policy.head is not None and profile is not None:
+                load_head(policy, model_home() / profile["path"])
+            if isinstance(policy, OraclePolicy):
+                policy.start([], vmap)  # no reply to show it before the first prompt's
     return policies
 
 
@@ -377,7 +347,7 @@ def run_one(pair, method: Method, prompt: Prompt, run: Decoding, policy: DraftPo
     record["tokens_per_forward"] = tokens / record["rounds"] if record["rounds"] else None
     record["ngram_cache_size"] = len(pair.ngrams) if method.kind == "ours" else None
     # The threshold in force at the end (gamma auto follows the measured costs).
-    record["gamma"] = policy.gamma if policy is not None and policy.cfg.name == "learned" else None
+    record["gamma"] = policy.gamma if isinstance(policy, LearnedPolicy) else None
     return record
 
 
@@ -492,7 +462,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
             policy = policies.get(method.name)
             if isinstance(policy, OraclePolicy):  # show it the reply (plain's, or decoded now, untimed)
                 plain = done.get("plain") or run_one(pair, methods[0], prompt, prompt_run, prefix=prefix)
-                policy.start(plain["output"])
+                policy.start(plain["output"], pair.vmap)
             record = run_one(pair, method, prompt, prompt_run, policy, schedulers.get(method.name), prefix)
             record["order"] = order
             record["load_avg_1m"] = os.getloadavg()[0]  # other work on the machine, for drift

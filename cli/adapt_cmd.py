@@ -15,7 +15,7 @@ import typer
 
 from omnidraft_mlx.cli import options
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy
+from omnidraft_mlx.policy import PolicyConfig, check_policy, make_policy
 
 
 def _samples(corpus: Optional[str], task: Optional[str], n_eval: int):
@@ -77,7 +77,7 @@ def adapt(
     warn_if_slow_blas(err_console)
 
     # Batch mode trains the acceptance head too, on replays of the replies (adapt.head_labels).
-    draft_policy = DraftPolicy(PolicyConfig(name=policy if mode == "stream" else "learned", k=k)) \
+    draft_policy = make_policy(PolicyConfig(name=policy if mode == "stream" else "learned", k=k)) \
         if mode != "text" else None
     learner = _open_learner(draft, target, cfg, interval, raw, draft_policy, group, lead)
     if mode == "batch":  # the target's replies also feed lookup drafting from earlier replies

@@ -114,7 +114,7 @@ def _open_session(draft: str, target: str, system: Optional[str], cfg, policy_cf
     from omnidraft_mlx.cli.main import console
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.policy import DraftPolicy
+    from omnidraft_mlx.policy import make_policy
     from omnidraft_mlx.profile import load_profile
 
     with console.status(f"loading {draft} and {target}"):
@@ -124,7 +124,7 @@ def _open_session(draft: str, target: str, system: Optional[str], cfg, policy_cf
         profile = None if no_profile else load_profile(draft, target, draft_model, trainable=cfg.adapt)
         pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile.ngrams if profile else None)
         learner = make_learner(pair, profile, cfg.adapt_every) if cfg.adapt else None
-    draft_policy = DraftPolicy(policy_cfg)
+    draft_policy = make_policy(policy_cfg)
     replies_index = None
     if profile:
         profile.attach_policy(draft_policy)

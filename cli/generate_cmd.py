@@ -11,7 +11,7 @@ from rich.text import Text
 
 from omnidraft_mlx.cli import options
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy, parse_gamma
+from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy, make_policy, parse_gamma
 from omnidraft_mlx.textstream import TextStream
 
 
@@ -96,7 +96,7 @@ def generate(
         from omnidraft_mlx.profile import load_profile
 
         profile = None if no_profile else load_profile(draft, target, drafter[0])
-        summary = _speculate(drafter, (target_model, target_tok, target_ids), cfg, DraftPolicy(policy_cfg),
+        summary = _speculate(drafter, (target_model, target_tok, target_ids), cfg, make_policy(policy_cfg),
                              profile, printer)
     else:
         summary = _plain(target_model, target_tok, target_ids, cfg, printer)

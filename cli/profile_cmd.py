@@ -16,7 +16,7 @@ TARGET = typer.Option(DEFAULT_TARGET, "--target", "-t", help="Target name.")
 def show(draft: str = DRAFT, target: str = TARGET) -> None:
     """What the pair's profile holds."""
     from omnidraft_mlx.cli.main import console
-    from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
+    from omnidraft_mlx.policy import LearnedPolicy, PolicyConfig
     from omnidraft_mlx.profile import load_head, load_profile, profile_files, profile_lock
 
     profile = load_profile(draft, target)
@@ -30,11 +30,11 @@ def show(draft: str = DRAFT, target: str = TARGET) -> None:
     console.print(f"  models: {draft} -> {target}")
     console.print(f"  n-gram cache: {len(profile.ngrams)} entries")
     console.print(f"  drafter updates: {profile.updates}" + (f", last saved {m['saved_at']}" if m.get("saved_at") else ""))
-    policy = DraftPolicy(PolicyConfig(name="learned"))
+    policy = LearnedPolicy(PolicyConfig(name="learned"))
     load_head(policy, profile.path)
-    if policy.labels:
+    if policy.head.labels:
         state = "deciding" if policy.ready else f"learning (decides after {policy.cfg.warmup})"
-        console.print(f"  acceptance head: {len(policy.labels)} labelled draft tokens, {state}")
+        console.print(f"  acceptance head: {len(policy.head.labels)} labelled draft tokens, {state}")
     if profile.distill:
         console.print("  training: " + ", ".join(f"{k}={v}" for k, v in profile.distill.items()))
     for corpus, pos in m.get("corpus", {}).items():

@@ -38,7 +38,8 @@ from omnidraft_mlx.distill import DistillConfig, Distiller, Example, StepStats, 
 from omnidraft_mlx.distributed import all_sum, gather_rows, shard, share_tree, world
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
-from omnidraft_mlx.policy import DraftPolicy, replay_depths, replay_recent
+from omnidraft_mlx.head import replay_depths, replay_recent
+from omnidraft_mlx.policy import DraftPolicy, LearnedPolicy
 from omnidraft_mlx.profile import Profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.drafter import output_head
@@ -362,7 +363,7 @@ def batch(learner: OnlineLearner, samples: list[Sample], max_tokens: int, budget
             features = gather_rows({i: f for i, (f, _) in labels.items()}, group)
             kept = gather_rows({i: k for i, (_, k) in labels.items()}, group)
             for i in sorted(kept):
-                policy.learn(features[i], kept[i], steps=len(kept[i]) // 8)
+                policy.head.learn(features[i], kept[i], steps=len(kept[i]) // 8)
         learner.position = stop
         report = learner.update({"position": stop}, [[examples[i] for i in part if i in examples] for part in parts])
         on_event(Event(done, learner.position, None, report))
@@ -379,7 +380,7 @@ def drafter_on_reply(pair: Pair, ids: list[int], start: int) -> tuple[mx.array, 
     return hidden, logits, drafted, np.array(drafted) == np.array(ids[start:])
 
 
-def head_labels(pair: Pair, example: Example, policy: DraftPolicy) -> tuple[np.ndarray, np.ndarray]:
+def head_labels(pair: Pair, example: Example, policy: LearnedPolicy) -> tuple[np.ndarray, np.ndarray]:
     """Acceptance-head data from a reply the drafter did not decode (batch mode):
     one teacher-forced drafter forward gives, at every reply position, the token
     it would draft there and whether the reply goes on with it; replaying greedy

@@ -1,4 +1,4 @@
-"""What verifying a draft costs the target, measured as decoding runs."""
+"""What drafting and verifying a draft cost, measured as decoding runs."""
 
 from __future__ import annotations
 
@@ -56,3 +56,35 @@ class VerifyCost:
         w, n, nn, s, ns = self.sums
         spread = w * nn - n * n  # draft lengths must vary to show what one more token costs
         return max(0.0, (w * ns - n * s) / spread) if spread > 1e-6 * w * w else 0.0
+
+
+class DraftCost:
+    """What rounds of model drafting cost and made, on sums that decay per round, for
+    gamma auto (policy.LearnedPolicy): one more draft token adds prod P(accept) expected
+    tokens and costs a drafter forward plus the target's verification of one more token
+    (the slope of VerifyCost), worth it while prod P exceeds what decoding makes, on
+    average, in that time. So a drafter that is cheap next to its target drafts further,
+    and the threshold follows the machine's load as it changes."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.sums = np.zeros(4)  # drafting s, drafter forwards, round s, tokens emitted
+        self.verify = VerifyCost(decay)
+        self.rounds = 0  # rounds in those sums
+
+    def add(self, draft_s: float, forwards: int, verify_s: float, drafted: int, round_s: float, tokens: int) -> None:
+        """What one round cost and made (a round without a drafter forward tells nothing)."""
+        if forwards:
+            self.sums = self.decay * self.sums + (draft_s, forwards, round_s, tokens)
+            self.verify.add(drafted, verify_s)
+            self.rounds += 1
+
+    def gamma(self, forward: bool) -> float | None:
+        """gamma = 1 - (s per drafter forward + s to verify a draft token) * (tokens per s), the
+        P(a rejection) above which one more draft token is not worth it; forward=False: its
+        drafter forward is already paid. None until four rounds were measured."""
+        if self.rounds < 4:
+            return None
+        draft_s, forwards, round_s, tokens = self.sums
+        per_token = (draft_s / forwards if forward else 0.0) + self.verify.per_token
+        return float(np.clip(1.0 - per_token * tokens / round_s, 0.0, 1.0))

@@ -130,10 +130,9 @@ class Profile:
         self.parts[name] = Part(obj, suffix, read)
 
     def attach_policy(self, policy):
-        """The draft-length policy's acceptance head, as a part; returns the policy."""
-        from omnidraft_mlx.policy import DraftPolicy
-
-        self.attach(HEAD, policy, ".npz", partial(DraftPolicy.read, policy.cfg))
+        """The draft-length policy's acceptance head, if it learns one, as a part; returns the policy."""
+        if policy.head is not None:
+            self.attach(HEAD, policy.head, ".npz", policy.head.read)
         return policy
 
     def attach_history(self):
@@ -278,10 +277,8 @@ def _load_part(path: Path, name: str, obj, suffix: str, read: Callable[[Path], o
 
 
 def load_head(policy, path: Path) -> None:
-    """Give the policy the acceptance head saved in the profile at path (read only)."""
-    from omnidraft_mlx.policy import DraftPolicy
-
-    _load_part(Path(path), HEAD, policy, ".npz", partial(DraftPolicy.read, policy.cfg))
+    """Give the (learned) policy the acceptance head saved in the profile at path (read only)."""
+    _load_part(Path(path), HEAD, policy.head, ".npz", policy.head.read)
 
 
 def profile_files(path: Path) -> list[str]:

@@ -59,7 +59,7 @@ class Engine:
         from omnidraft_mlx.chat import make_learner
         from omnidraft_mlx.loading import load_model
         from omnidraft_mlx.pair import context_length, make_pair
-        from omnidraft_mlx.policy import DraftPolicy
+        from omnidraft_mlx.policy import make_policy
         from omnidraft_mlx.profile import load_profile
         from omnidraft_mlx.promptcache import PromptCache
         from omnidraft_mlx.scheduler import Scheduler
@@ -70,7 +70,7 @@ class Engine:
         profile = load_profile(cfg.draft, cfg.target, draft_model, trainable=cfg.adapt) if cfg.profile else None
         pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile.ngrams if profile else None)
         learner = make_learner(pair, profile, cfg.adapt_every) if cfg.adapt else None
-        policy, history = DraftPolicy(cfg.policy), None
+        policy, history = make_policy(cfg.policy), None
         if profile:  # the policy's head and the history index are saved with every profile save from now on
             profile.attach_policy(policy)
             history = profile.attach_history()

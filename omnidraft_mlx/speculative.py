@@ -25,7 +25,7 @@ from omnidraft_mlx.drafts import SOURCES, Context, Draft, check_sources
 from omnidraft_mlx.kvcache import KVSlot
 from omnidraft_mlx.lookup import ContextLookup, HistoryIndex, HistorySource
 from omnidraft_mlx.pair import Pair
-from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
+from omnidraft_mlx.policy import DraftPolicy, FixedPolicy, PolicyConfig
 from omnidraft_mlx.scheduler import Scheduler
 from omnidraft_mlx.settings import check_choice, check_range
 
@@ -168,7 +168,7 @@ def speculative_generate(
     their caches are reused (common prefix kept); on return each holds what its cache holds.
     A scheduler kept across replies starts each from what the earlier ones measured.
     on_logits gets, before each yield, the target's logits that chose the new ids (a row each)."""
-    policy = policy or DraftPolicy(PolicyConfig(k=cfg.k))
+    policy = policy or FixedPolicy(PolicyConfig(k=cfg.k))
     target_eos = set(pair.target_tok.eos_token_ids) | {pair.vmap.target_eos}
     ctx = Context(target_prompt, rng=np.random.default_rng(cfg.seed))
     t_start = time.perf_counter()

@@ -20,7 +20,7 @@ from mlx_lm import load
 
 import omnidraft_mlx.profile as profile_module
 from omnidraft_mlx.distill import DistillConfig, setup_trainable
-from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
+from omnidraft_mlx.policy import LearnedPolicy, PolicyConfig
 from omnidraft_mlx.profile import load_profile
 
 
@@ -47,12 +47,12 @@ def main(draft, target, path, tag, saves, go, held=None, release=None):
     profile = load_profile(draft, target, model, trainable=True, path=path)
     if not profile.distill:
         setup_trainable(model, DistillConfig(lora_rank=4))
-    policy = profile.attach_policy(DraftPolicy(PolicyConfig(name="learned")))
+    policy = profile.attach_policy(LearnedPolicy(PolicyConfig(name="learned")))
     print("loaded", flush=True)
     wait_for(go)
     for i in range(saves):
         profile.ngrams.add((1000 * tag + i, 7), tag)
-        policy.learn(np.full((3, 4), 100 * tag + i, np.float32), [1, 0, 1], steps=0)
+        policy.head.learn(np.full((3, 4), 100 * tag + i, np.float32), [1, 0, 1], steps=0)
         model.update(tree_map(lambda a: mx.full(a.shape, float(tag)), model.trainable_parameters()))
         if held and i == saves - 1:
             hold_before_manifest(held, release)

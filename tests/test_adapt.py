@@ -21,7 +21,7 @@ from omnidraft_mlx.align import align
 from omnidraft_mlx.distill import DistillConfig, Distiller, _pad, distill_loss, make_example, setup_trainable
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import make_pair
-from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
+from omnidraft_mlx.policy import LearnedPolicy, PolicyConfig
 from omnidraft_mlx.profile import Profile, load_profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.speculative import SpecConfig
@@ -169,11 +169,11 @@ def test_batch_mode_learns_from_the_targets_own_greedy_replies(tiny_dirs, tiny):
     setup_trainable(dm, cfg)
     pair = make_pair(dm, dt, tm, tt)
     prompts = [user_messages(p) for p in TRAIN_PROMPTS[:3] + ["import json\n\ndef load(path):\n    with", "x = ["]]
-    policy = DraftPolicy(PolicyConfig(name="learned"))
+    policy = LearnedPolicy(PolicyConfig(name="learned"))
     learner = OnlineLearner(pair, cfg, interval=3, policy=policy)
     records = batch(learner, [Sample(messages=m) for m in prompts], 12, Budget(max_prompts=4))
     # The acceptance head learned from replays of the replies (a label per drafted token).
-    assert policy.head is not None and len(policy.labels) >= sum(len(r["reply"]) for r in records) // 2
+    assert policy.head.net is not None and len(policy.head.labels) >= sum(len(r["reply"]) for r in records) // 2
     assert [r["position"] for r in records] == [1, 2, 3, 4] and learner.position == 4
     assert learner.updates == 2 and not learner.buffer  # 3 prompts, then the 1 the budget left
     for msgs, r in zip(prompts, records):  # prompts of several lengths share a padded batch

@@ -13,7 +13,7 @@ from omnidraft_mlx.drafts import Context, Draft, DraftSource
 from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.lookup import ContextLookup, HistoryIndex, match_class
 from omnidraft_mlx.pair import make_pair
-from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
+from omnidraft_mlx.policy import FixedPolicy, PolicyConfig
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.scheduler import Scheduler
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
@@ -111,7 +111,7 @@ def test_the_drafter_reads_a_guess_ahead_and_drafts_what_it_would_alone(cross, t
     cfg = SpecConfig(k=6, temp=temp, sources="drafter", guard=False)
 
     def draft(guess):
-        source, ctx = DrafterSource(pair, dp, cfg, DraftPolicy(PolicyConfig(k=6))), Context(tp, rng=np.random.default_rng(1))
+        source, ctx = DrafterSource(pair, dp, cfg, FixedPolicy(PolicyConfig(k=6))), Context(tp, rng=np.random.default_rng(1))
         source.start(ctx)
         d = source.propose(ctx, 6, guess)
         return d.tokens, d.forwards

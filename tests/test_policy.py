@@ -8,7 +8,8 @@ from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.adapt import head_labels
 from omnidraft_mlx.distill import make_example
 from omnidraft_mlx.pair import make_pair
-from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, replay_depths, replay_recent
+from omnidraft_mlx.head import replay_depths, replay_recent
+from omnidraft_mlx.policy import PolicyConfig, make_policy
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.drafter import drafted_and_kept
 from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
@@ -33,7 +34,7 @@ def run(pair, policy, prompts, max_tokens=40):
 @pytest.mark.parametrize("name", ["confidence", "heuristic", "learned"])
 def test_policies_stay_lossless(cross, tiny, name):
     tm, tt = tiny["target"]
-    policy = DraftPolicy(PolicyConfig(name=name, k=3, warmup=64))
+    policy = make_policy(PolicyConfig(name=name, k=3, warmup=64))
     outs, _ = run(cross, policy, PROMPTS[:6])
     for prompt, out in zip(PROMPTS, outs):
         ids = encode_prompt(tt, user_messages(prompt), True)
@@ -41,13 +42,13 @@ def test_policies_stay_lossless(cross, tiny, name):
 
 
 def test_confidence_policy_drafts_less_than_fixed(cross):
-    _, fixed = run(cross, DraftPolicy(PolicyConfig(name="fixed", k=6)), PROMPTS[:4])
-    _, confident = run(cross, DraftPolicy(PolicyConfig(name="confidence", k=6, max_k=6, p_min=0.9)), PROMPTS[:4])
+    _, fixed = run(cross, make_policy(PolicyConfig(name="fixed", k=6)), PROMPTS[:4])
+    _, confident = run(cross, make_policy(PolicyConfig(name="confidence", k=6, max_k=6, p_min=0.9)), PROMPTS[:4])
     assert confident.drafted / confident.rounds < fixed.drafted / fixed.rounds
 
 
 def test_heuristic_policy_adapts_length():
-    policy = DraftPolicy(PolicyConfig(name="heuristic", k=4, max_k=8))
+    policy = make_policy(PolicyConfig(name="heuristic", k=4, max_k=8))
     policy.observe([], [True, True, True, True])
     assert policy.max_len == 6
     policy.observe([], [True, False])
@@ -58,7 +59,7 @@ def test_gamma_auto_follows_measured_costs():
     """gamma = 1 - (s per drafter forward + s to verify a draft token) * (tokens per s):
     a cheap drafter drafts further; the verification term is the slope of verify time
     over draft length, zero until the lengths vary."""
-    cheap, dear, fixed = (DraftPolicy(PolicyConfig(name="learned", gamma=g)) for g in (None, None, 0.4))
+    cheap, dear, fixed = (make_policy(PolicyConfig(name="learned", gamma=g)) for g in (None, None, 0.4))
     assert cheap.gamma == dear.gamma == 0.5  # before anything is measured: the start value
     for _ in range(6):
         cheap.time_round(draft_s=0.03, forwards=3, verify_s=0.2, drafted=3, round_s=0.23, tokens=3)  # 13 tok/s
@@ -68,7 +69,7 @@ def test_gamma_auto_follows_measured_costs():
     assert dear.gamma == pytest.approx(1 - 0.1 * 3 / 0.5)  # 100 ms per forward
     assert fixed.gamma == 0.4
     # Verification taking 0.2 s + 20 ms per draft token, over rounds of 1 to 5 tokens.
-    varied = DraftPolicy(PolicyConfig(name="learned"))
+    varied = make_policy(PolicyConfig(name="learned"))
     for i in range(20):
         n = 1 + i % 5
         varied.time_round(draft_s=0.01 * n, forwards=n, verify_s=0.2 + 0.02 * n, drafted=n, round_s=0.23 + 0.03 * n,
@@ -80,21 +81,21 @@ def test_gamma_auto_follows_measured_costs():
 
 
 def test_gamma_auto_is_measured_while_decoding(cross):
-    policy = DraftPolicy(PolicyConfig(name="learned", k=4, warmup=32))
+    policy = make_policy(PolicyConfig(name="learned", k=4, warmup=32))
     run(cross, policy, PROMPTS[:3])
-    assert policy._timed > 4 and 0.0 <= policy.gamma <= 1.0 and policy.gamma != policy.cfg.start_gamma
+    assert policy.cost.rounds > 4 and 0.0 <= policy.gamma <= 1.0 and policy.gamma != policy.cfg.start_gamma
 
 
 def test_learned_head_learns_acceptance(cross):
     """After online training the head ranks accepted tokens above rejected ones."""
-    policy = DraftPolicy(PolicyConfig(name="learned", k=6, warmup=10**9))  # collect, never stop early
+    policy = make_policy(PolicyConfig(name="learned", k=6, warmup=10**9))  # collect, never stop early
     run(cross, policy, PROMPTS)
-    x, y = np.stack(policy.features), np.array(policy.labels)
-    assert 0.2 < y.mean() < 0.95 and policy.head is not None
-    policy.train(steps=200)
+    x, y = np.stack(policy.head.features), np.array(policy.head.labels)
+    assert 0.2 < y.mean() < 0.95 and policy.head.net is not None
+    policy.head.train(steps=200)
     import mlx.core as mx
 
-    scores = np.array(policy.head(mx.array(x)))
+    scores = np.array(policy.head.net(mx.array(x)))
     pos, neg = scores[y > 0.5], scores[y < 0.5]
     auc = (pos[:, None] > neg[None, :]).mean()
     assert auc > 0.75, f"head AUC {auc:.2f}"
@@ -103,25 +104,25 @@ def test_learned_head_learns_acceptance(cross):
 
 
 def test_saved_head_on_other_features_is_not_reused(cross, tmp_path):
-    with_hidden = DraftPolicy(PolicyConfig(name="learned", k=4, hidden=True))
+    with_hidden = make_policy(PolicyConfig(name="learned", k=4, hidden=True))
     run(cross, with_hidden, PROMPTS[:2])
-    assert with_hidden.features[0].shape[0] > 3
-    with_hidden.save(tmp_path / "head.npz")
-    fresh = DraftPolicy(PolicyConfig(name="learned", k=4))
-    fresh.load(tmp_path / "head.npz")
-    assert fresh.head is None and not fresh.labels
+    assert with_hidden.head.features[0].shape[0] > 3
+    with_hidden.head.save(tmp_path / "head.npz")
+    fresh = make_policy(PolicyConfig(name="learned", k=4))
+    fresh.head.load(tmp_path / "head.npz")
+    assert fresh.head.net is None and not fresh.head.labels
     # A head saved before its features were named (an older profile's, without the recent acceptance).
-    cheap = DraftPolicy(PolicyConfig(name="learned", k=4))
+    cheap = make_policy(PolicyConfig(name="learned", k=4))
     run(cross, cheap, PROMPTS[:2])
-    cheap.save(tmp_path / "cheap.npz")
+    cheap.head.save(tmp_path / "cheap.npz")
     with np.load(tmp_path / "cheap.npz") as data:
         older = {k: data[k] for k in data.files if k != "feature_names"}
     older["features"] = older["features"][:, :3]
     np.savez(tmp_path / "older.npz", **older)
     for name, restarts in (("cheap.npz", False), ("older.npz", True)):
-        loaded = DraftPolicy(PolicyConfig(name="learned", k=4))
-        loaded.load(tmp_path / name)
-        assert (loaded.head is None) == restarts
+        loaded = make_policy(PolicyConfig(name="learned", k=4))
+        loaded.head.load(tmp_path / name)
+        assert (loaded.head.net is None) == restarts
 
 
 def test_labels_follow_the_text(cross):
@@ -135,16 +136,16 @@ def test_labels_follow_the_text(cross):
 
 
 def test_learned_policy_saves_and_resumes(cross, tmp_path):
-    policy = DraftPolicy(PolicyConfig(name="learned", k=4, warmup=50))
+    policy = make_policy(PolicyConfig(name="learned", k=4, warmup=50))
     run(cross, policy, PROMPTS[:4])
-    policy.save(tmp_path / "head.npz")
-    resumed = DraftPolicy(PolicyConfig(name="learned", k=4, warmup=50))
-    resumed.load(tmp_path / "head.npz")
-    assert resumed.ready and resumed.labels == policy.labels and resumed.rounds == policy.rounds
+    policy.head.save(tmp_path / "head.npz")
+    resumed = make_policy(PolicyConfig(name="learned", k=4, warmup=50))
+    resumed.head.load(tmp_path / "head.npz")
+    assert resumed.ready and resumed.head.labels == policy.head.labels and resumed.head.rounds == policy.head.rounds
     import mlx.core as mx
 
-    x = mx.array(np.stack(policy.features[:8]))
-    assert np.allclose(np.array(resumed.head(x)), np.array(policy.head(x)), atol=1e-5)
+    x = mx.array(np.stack(policy.head.features[:8]))
+    assert np.allclose(np.array(resumed.head.net(x)), np.array(policy.head.net(x)), atol=1e-5)
 
 
 def test_oracle_drafts_exactly_as_far_as_the_reply_agrees(cross, tiny):
@@ -152,10 +153,8 @@ def test_oracle_drafts_exactly_as_far_as_the_reply_agrees(cross, tiny):
     past k where the drafter is right, and pays no forward after a token whose
     text leaves the reply: a round ends at its first "stop", and verification
     keeps no token the oracle stopped at."""
-    from omnidraft_mlx.bench.run import OraclePolicy
-
     tm, tt = tiny["target"]
-    oracle = OraclePolicy(PolicyConfig(name="oracle", k=3, max_k=8), cross.vmap)
+    oracle = make_policy(PolicyConfig(name="oracle", k=3, max_k=8))
     rounds, decisions = [], []
     begin, wants_more, observe = oracle.begin_round, oracle.wants_more, oracle.observe
     oracle.begin_round = lambda: (decisions.clear(), begin())
@@ -164,7 +163,7 @@ def test_oracle_drafts_exactly_as_far_as_the_reply_agrees(cross, tiny):
     for prompt in PROMPTS[:4]:
         msgs = user_messages(prompt)
         reply = list(plain_generate(tm, tt, encode_prompt(tt, msgs, True), PlainStats(), max_tokens=40))
-        oracle.start(reply)
+        oracle.start(reply, cross.vmap)
         out = []
         cfg = SpecConfig(k=3, max_tokens=40, sources="drafter", guard=False)
         for new, _ in speculative_generate(cross, encode_prompt(cross.draft_tok, msgs, True),
@@ -202,19 +201,19 @@ def test_head_labels_replay_what_decoding_gives_the_head(tiny):
     (a same-vocabulary pair, where a kept token is the reply's own token)."""
     (dm, dt), (tm, tt) = tiny["same"], tiny["target"]
     pair = make_pair(dm, dt, tm, tt)
-    live = DraftPolicy(PolicyConfig(name="learned", k=4, max_k=4, warmup=10**9))  # always 4 a round
-    replayed = DraftPolicy(PolicyConfig(name="learned", max_k=4))
+    live = make_policy(PolicyConfig(name="learned", k=4, max_k=4, warmup=10**9))  # always 4 a round
+    replayed = make_policy(PolicyConfig(name="learned", max_k=4))
     compared = []
     for prompt in PROMPTS[:4]:
         msgs = user_messages(prompt)
         dp, tp = encode_prompt(dt, msgs, True), encode_prompt(tt, msgs, True)
-        before = len(live.labels)
+        before = len(live.head.labels)
         reply = [t for new, _ in speculative_generate(pair, dp, tp, SpecConfig(k=4, max_tokens=40, sources="drafter", guard=False), SpecStats(), live)
                  for t in new]
         features, kept = head_labels(pair, make_example(pair, dp, tp, reply), replayed)
-        n = min(len(kept), len(live.labels) - before) - 4  # the last round may be cut short by max_tokens
-        assert kept[:n].tolist() == [bool(x) for x in live.labels[before : before + n]]
-        np.testing.assert_allclose(features[:n], np.stack(live.features[before : before + n]), atol=2e-3)
+        n = min(len(kept), len(live.head.labels) - before) - 4  # the last round may be cut short by max_tokens
+        assert kept[:n].tolist() == [bool(x) for x in live.head.labels[before : before + n]]
+        np.testing.assert_allclose(features[:n], np.stack(live.head.features[before : before + n]), atol=2e-3)
         compared += kept[:n].tolist()
     assert len(compared) > 60 and 0 < np.mean(compared) < 1
-    assert len(set(np.stack(live.features)[:, -1].tolist())) > 5  # the recent acceptance moved, and matched
+    assert len(set(np.stack(live.head.features)[:, -1].tolist())) > 5  # the recent acceptance moved, and matched

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from omnidraft_mlx.bench.policy_replay import Reply, RoundCost, fit_costs, main, replay
-from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
+from omnidraft_mlx.policy import FixedPolicy, OraclePolicy, PolicyConfig
 
 
 def test_fit_costs_recovers_the_per_round_costs():
@@ -27,9 +27,9 @@ def test_replay_plays_rounds_as_decoding_does():
                   features=np.zeros((5, 4), np.float32))
     cost = RoundCost(step_s=1.0, resync_s=0.3, forward_s=0.2, verify_s=1.0, token_s=0.1)
     # k2: [0, 1] both kept, the target adds position 2; then [3, 4], 3 kept, the target's token ends it.
-    assert replay(reply, DraftPolicy(PolicyConfig(k=2)), cost) == pytest.approx((2 * 1.7, 2, 4))
+    assert replay(reply, FixedPolicy(PolicyConfig(k=2)), cost) == pytest.approx((2 * 1.7, 2, 4))
     # Oracle: drafts 0, 1 and the wrong 2 (3 tokens, 2.0 s); then the 2 positions left (1.7 s).
-    oracle = DraftPolicy(PolicyConfig(name="oracle", max_k=8))
+    oracle = OraclePolicy(PolicyConfig(name="oracle", max_k=8))
     assert replay(reply, oracle, cost, oracle=True) == pytest.approx((2.0 + 1.7, 2, 5))
 
 

@@ -15,7 +15,8 @@ from mlx_lm import load
 
 from omnidraft_mlx.distill import DistillConfig, setup_trainable, trainable_weights
 from omnidraft_mlx.ngram import NGramCache
-from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
+from omnidraft_mlx.head import LearnedHead
+from omnidraft_mlx.policy import LearnedPolicy, PolicyConfig
 from omnidraft_mlx.profile import LOCK, MANIFEST, Profile, load_head, load_profile, profile_files
 
 WRITER = Path(__file__).with_name("profile_writer.py")
@@ -44,9 +45,9 @@ def check_loads(tiny_dirs, path):
         float(v.max()) for v in trainable_weights(model).values()}
     assert len(values) == 1 and values <= {1.0, 2.0, 3.0}
     assert sorted(p.name for p in path.iterdir()) == sorted(profile_files(path) + [LOCK])
-    policy = DraftPolicy(PolicyConfig(name="learned"))
+    policy = LearnedPolicy(PolicyConfig(name="learned"))
     load_head(policy, path)
-    return profile, {round(float(f[0])) for f in policy.features}
+    return profile, {round(float(f[0])) for f in policy.head.features}
 
 
 def test_two_processes_saving_at_once_keep_both_contributions(tmp_path, tiny_dirs):
@@ -166,10 +167,10 @@ def test_ctrl_c_inside_ngram_and_policy_updates_waits_for_them():
     assert interrupted(NGramCache.record_use, "self.used[gram]", lambda: cache.record_use((1, 2, 3)))
     assert cache.uses[(1, 2, 3)] == cache.used[(1, 2, 3)] == 1
 
-    policy = DraftPolicy(PolicyConfig(name="learned"))
+    head = LearnedHead(buffer=8192, hidden=False)
     rows = np.ones((3, 4), np.float32)
-    assert interrupted(DraftPolicy.learn, "self.labels +=", lambda: policy.learn(rows, [1, 0, 1], steps=0))
-    assert len(policy.features) == len(policy.labels) == policy.unsaved == 3
+    assert interrupted(LearnedHead.learn, "self.labels +=", lambda: head.learn(rows, [1, 0, 1], steps=0))
+    assert len(head.features) == len(head.labels) == head.unsaved == 3
 
 
 def test_ctrl_c_during_a_save_lets_it_finish(tmp_path, tiny_dirs):

@@ -192,7 +192,7 @@ def test_kill_9_while_serving_and_saving_leaves_a_profile_that_loads(tiny_dirs, 
     queue empties; kill -9 at random moments, then load the profile each time."""
     from mlx_lm import load
 
-    from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
+    from omnidraft_mlx.policy import LearnedPolicy, PolicyConfig
     from omnidraft_mlx.profile import load_profile, profile_dir
 
     home, rng = tmp_path / "home", random.Random(0)
@@ -230,7 +230,7 @@ def test_kill_9_while_serving_and_saving_leaves_a_profile_that_loads(tiny_dirs, 
         path = profile_dir(str(tiny_dirs["draft"]), str(tiny_dirs["target"]))
         draft_model, _ = load(str(tiny_dirs["draft"]))
         profile = load_profile(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), draft_model, trainable=True)
-        profile.attach_policy(DraftPolicy(PolicyConfig(name="learned")))
+        profile.attach_policy(LearnedPolicy(PolicyConfig(name="learned")))
         manifest = json.loads((path / "manifest.json").read_text())
         assert all((path / f).exists() for f in manifest["files"].values())
         assert profile.updates >= saved_before
@@ -254,7 +254,7 @@ def test_serve_learning_while_another_process_saves_the_profile_loses_nothing(ti
     and head labels into the same profile: the profile ends with both's contributions."""
     from test_profile_lock import finish, writer
 
-    from omnidraft_mlx.policy import DraftPolicy, PolicyConfig
+    from omnidraft_mlx.policy import LearnedPolicy, PolicyConfig
     from omnidraft_mlx.profile import load_head, load_profile, profile_dir
 
     home, go, saves = tmp_path / "home", tmp_path / "go", 5
@@ -283,7 +283,7 @@ def test_serve_learning_while_another_process_saves_the_profile_loses_nothing(ti
     assert profile.updates == len(history)
     grams = set(profile.ngrams.entries)
     assert {(7000 + i, 7) for i in range(saves)} <= grams and len(grams) > saves  # the server's n-grams too
-    policy = DraftPolicy(PolicyConfig(name="learned"))
+    policy = LearnedPolicy(PolicyConfig(name="learned"))
     load_head(policy, path)
-    rows = {round(float(f[0])) for f in policy.features}
-    assert {700 + i for i in range(saves)} <= rows and len(policy.labels) > 3 * saves  # and its head labels
+    rows = {round(float(f[0])) for f in policy.head.features}
+    assert {700 + i for i in range(saves)} <= rows and len(policy.head.labels) > 3 * saves  # and its head labels
