@@ -13,11 +13,11 @@ Both work in target tokens, so they need no translation and serve any pair.
   the reply's tail is proposed, token by token while it stays the clear favourite.
 Drafts are keyed by source and match length ("context:3"; a context match
 of 5-15 tokens is "context:8", of 16 or more "context:16": a copy under way):
-the scheduler learns how often each kind holds. On the edit bench's replies
-(lookups alone, offline) a match of 16+ tokens held 27 of its 32 tokens, a
-match of one token 0.7 of 7. A lookup drafts `max_len` tokens, twice as
-many after a round whose whole draft held (up to 4 x max_len: a copied block
-runs long), and max_len again after a rejection, as assisted generation grows k.
+the scheduler learns how often each kind holds (a copy under way holds far
+more often than a short match: bench/results/free-drafts/README.md). A lookup
+drafts `max_len` tokens, twice as many after a round whose whole draft held (up
+to 4 x max_len: a copied block runs long), and max_len again after a rejection,
+as assisted generation grows k.
 """
 
 from __future__ import annotations

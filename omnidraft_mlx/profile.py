@@ -2,30 +2,27 @@
 shared by the processes that use the pair at the same time.
 
 A profile directory holds manifest.json and the files it names: the drafter's
-adapter weights and optimizer state, and the learned parts (omnidraft_mlx/
-learned.py: the n-gram cache, the acceptance head, ...), each file named by the
-save that wrote it (`ngrams-000012.json`); the manifest also holds the format
-version, the two models' identities, the training settings, the update count,
-the position reached in each corpus, and a short history.
+adapter weights and optimizer state, and the learned parts (learned.py: the
+n-gram cache, the acceptance head, ...), each file named by the save that wrote
+it (`ngrams-000012.json`); the manifest also holds the format version, the two
+models' identities, the training settings, the update count, the position
+reached in each corpus, and a short history.
 
-Reads hold a shared lock and saves an exclusive one (fcntl.flock on .lock in the
-directory). A save re-reads the manifest under its lock and builds on what
-another process saved since this one loaded (or last saved):
-- each learned part merges the saved one with its own learning since: n-gram
-  entries and lookup counts, acceptance-head labels (learned.py);
+Reads hold a shared lock and saves an exclusive one (fcntl.flock on .lock). A
+save re-reads the manifest under its lock and builds on what another process
+saved since this one loaded (or last saved):
+- each learned part merges the saved one with its own learning since (learned.py);
 - the update count is the sum, the history theirs then this save's record;
 - a corpus position is the furthest either reached (it says where to resume: two
   processes that read the same prompts have learned from them once);
 - adapter weights cannot be merged: a process saving an update keeps its own
   adapter and optimizer state as the newest, counts both processes' updates,
   and says so in one line; a save without an update leaves the adapter as it is.
-It writes the new files first and the manifest last (each atomically, by
-rename), then deletes the files the replaced manifest named and leftovers of
-saves that died midway: while the lock is held no other writer has files in
-flight. So a kill at any moment leaves the previous profile loadable and loses
-at most the save in flight, and Ctrl-C is held until a save ends. Profiles
-written before the parts were versioned (ngrams.json, accept_head.npz) load as
-they are; their next save versions them.
+It writes the new files first and the manifest last (each atomically), then, with
+no other writer in flight under the lock, deletes what the old manifest named and
+leftovers of saves that died: a kill loses at most the save in flight and leaves
+the previous profile loadable; Ctrl-C waits for a save to end. Profiles written
+before the parts were versioned (ngrams.json, accept_head.npz) load as they are.
 """
 
 from __future__ import annotations

@@ -1,53 +1,28 @@
 """Which draft to verify each round, and the guard that keeps speculation from losing.
 
-Options each round: a free draft (a lookup that found a match, at no model
-cost), the model drafter's draft (drafter forwards), or no draft at all (a
-plain decoding step through the same loop). The option expected to make
-tokens fastest wins.
-
+Options each round: a free draft (a lookup that found a match, at no model cost),
+the model drafter's draft (drafter forwards), or no draft at all (a plain decoding
+step through the same loop). The option expected to make tokens fastest wins.
 - A lookup is judged before it is verified, by how its kind (source and match
   length, "context:3") has held: every lookup found is scored against what the
-  target wrote next, verified or not. The target writes the same text either
-  way (greedy), or each token with probability p(token), the chance the rule
-  accepts a looked-up one (sampling), so the score is what verifying it would
-  have kept. Expected tokens (held + the target's own) over the time verifying
-  that many tokens takes (fitted over all rounds: on a CPU each verified token
-  costs about an eighth of a step). Lookups need no probes. Rated only on
-  the rounds that verified them, and probed to be known, lookups took 35 % of
-  math's rounds on the adapted 1.5B bench at under one token held (fused 0.87x
-  the drafter alone per prompt); judged in shadow, 23 % (0.97x).
+  target wrote next, verified or not: what verifying it would have kept (greedy:
+  the same text; sampling: each token with p(token), the chance it is accepted).
+  Its rate: expected tokens (held + the target's own) over the time verifying
+  that many takes (fit.VerifyCost). Lookups need no probes.
 - The drafter and plain steps are rated by what they realized: tokens emitted
-  per second over their recent rounds (sums that decay by the rounds since
-  they were measured, about the last twenty).
-
-The guard is the plain option: a plain step makes exactly what plain decoding
-makes, so while no source is expected to beat it the loop decodes plainly.
+  per second over their recent rounds (sums that decay by the rounds since).
+The guard is the plain option: while no source is expected to beat plain
+decoding, the loop decodes plainly (without it some source drafts every round).
 The drafter or plain, not chosen for a while, is probed (the text may have
-changed): tried for a few rated rounds (plain for one: a plain step always
-makes one token), then judged against the best of the others; each lost probe
-doubles the wait before the next. A drafter's rounds vary (1 to k+1 tokens):
-rated on its last five rounds and judged on one, a drafter that paid 1.5x
-plain on average got 12 % of the rounds (test_lookup.py) and sat out whole
-replies where it paid.
-Without the guard some source drafts every round.
-
-A round in which the drafter first caught up on text that lookups drafted
-costs more than its usual round; it is not rated (nor counted in a probe).
-Charged for the catch-up, a probing drafter always lost and was shut out
-where it paid.
-
-The best lookup found is also the drafter's guess (drafter.py): when the
-drafter is chosen it reads the guess ahead instead of drafting it token by token.
-
-The chosen draft (or a plain step's empty one) is then padded with looked-up
-tokens (the context's, else history's continuation of it) up to the length
-that verifies fastest, where that is longer: the cost of verifying n tokens is
-measured per n (widths.py, fit.VerifyCost) and is not monotone. On this CPU a
-1.5B target verifies 15 tokens faster than 3 to 14, and a 0.5B target verifies
-1 token as fast as none: the padding costs nothing and sometimes holds.
-
-A scheduler outlives a reply (chat, serve and bench keep one), so a new
-reply starts from what the last ones measured instead of probing afresh.
+changed): tried for a few rated rounds (plain for one: a plain step always makes
+one token), then judged against the best of the others; each lost probe doubles
+the wait. A round in which the drafter first caught up on text that lookups
+drafted costs more than its usual round and is not rated. The best lookup found
+is also the drafter's guess, read ahead in one forward (drafter.py). The chosen
+draft is padded with looked-up tokens to the length that verifies fastest (not
+monotone: widths.py). A scheduler outlives a reply (chat, serve and bench keep
+one), so a new reply starts from what the last ones measured. The measurements
+behind these choices: bench/results/free-drafts/README.md (design record).
 """
 
 from __future__ import annotations
