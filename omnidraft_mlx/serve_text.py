@@ -4,12 +4,14 @@ Text arrives a round at a time, and a stop string or a tool call's opening
 marker may straddle two rounds, so whatever could begin one is held back until
 the next round settles it. A tool call's text is held whole until its closing
 marker (or the reply's end), then parsed (serve_tools.parse_calls); text that
-does not parse goes out as content, markers and all.
+does not parse goes out as content, markers and all. With tool_choice "auto", a
+reply that may still be nothing but JSON calls (serve_tools.json_calls) is held
+whole: as calls at its end, or let go as soon as it cannot be one.
 """
 
 from __future__ import annotations
 
-from omnidraft_mlx.serve_tools import parse_calls
+from omnidraft_mlx.serve_tools import json_calls, may_be_json_calls, parse_calls
 from omnidraft_mlx.textstream import TextStream
 
 
@@ -38,6 +40,17 @@ class StopText:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+class PlainText:
+    """Streamed text -> events ("text", str): a reply with no tool calls to find. The interface of
+    the splitters below: add(text) -> the events it settles; finish() -> the rest, at the reply's end."""
+
+    def add(self, text: str) -> list[tuple[str, object]]:
+        return [("text", text)] if text else []
+
+    def finish(self) -> list[tuple[str, object]]:
+        return []
 
 
 class ToolSplit:
@@ -85,13 +98,43 @@ class ToolSplit:
         return [("text", self.fmt.start + rest)]
 
 
+class JsonCalls:
+    """A reply that is only JSON calls of the offered `tools` (serve_tools.json_calls) -> one
+    ("tool_calls", [call, ...]) event at its end; any other reply goes on through `then`, another
+    splitter, as soon as its start shows that it is no such reply."""
+
+    def __init__(self, tools: list[dict], then):
+        self.tools, self.then, self.held = tools, then, ""  # held: None once it is no JSON reply
+
+    def add(self, text: str) -> list[tuple[str, object]]:
+        if self.held is None:
+            return self.then.add(text)
+        self.held += text
+        if may_be_json_calls(self.held, self.tools):
+            return []
+        text, self.held = self.held, None
+        return self.then.add(text)
+
+    def finish(self) -> list[tuple[str, object]]:
+        held, self.held = self.held, None
+        if held and (calls := json_calls(held, self.tools)):
+            return [("tool_calls", calls)]
+        return self.then.add(held or "") + self.then.finish()
+
+
+def splitter(tools):
+    """The splitter of a reply to a request with this serve_tools.ToolPlan."""
+    split = ToolSplit(tools.fmt, tools.opened) if tools.fmt else PlainText()
+    return JsonCalls(tools.tools, split) if tools.bare else split
+
+
 class ReplyText:
     """A reply's target ids -> its events: text (from the tokens' bytes), cut at the stop strings,
-    split into content and tool calls when the request has a tool format (serve_tools.ToolPlan)."""
+    split into content and tool calls when the request offers tools (serve_tools.ToolPlan)."""
 
     def __init__(self, target_bytes: list[bytes | None], stops: list[str], tools, emit):
         self.text, self.stop, self.emit, self.called = TextStream(target_bytes), StopText(stops), emit, False
-        self.tools = ToolSplit(tools.fmt, tools.opened) if tools.fmt else None
+        self.split = splitter(tools)
 
     def add(self, ids: list[int]) -> bool:
         """Send what these ids settle; whether a stop string was reached (the reply ends there)."""
@@ -105,11 +148,7 @@ class ReplyText:
         self._send(piece + ("" if stopped else self.stop.flush()), last=True)
 
     def _send(self, piece: str, last: bool) -> None:
-        if self.tools is None:
-            events = [("text", piece)]
-        else:
-            events = self.tools.add(piece) + (self.tools.finish() if last else [])
-        for kind, payload in events:
+        for kind, payload in self.split.add(piece) + (self.split.finish() if last else []):
             if payload:
                 self.called |= kind == "tool_calls"
                 self.emit(kind, payload)

@@ -9,7 +9,9 @@ tools out; "required", or one function by name (only that one offered), opens
 a call at the start of the reply, in the prompt, so the reply is a call: for
 JSON calls up to the name, or to the arguments of the named function, since a
 small model may end its reply right after a bare opening marker (as
-Qwen2.5-Coder-0.5B does).
+Qwen2.5-Coder-0.5B does). With "auto", a reply that is nothing but JSON calls
+of offered tools, bare or in one ```json block, is a call too (json_calls):
+Qwen2.5-Coder 0.5B and 1.5B write their calls so rather than in tags.
 
 The drafter of a tool conversation reads the target's prompt text in its own
 tokens: its own template knows no tools, and it is the target's reply to that
@@ -44,8 +46,9 @@ class ToolPlan:
     """What a request asks of tools."""
 
     tools: list[dict] | None = None  # for the chat template
-    fmt: ToolFormat | None = None  # None: the reply is all text
+    fmt: ToolFormat | None = None  # None: no calls in the target's own format
     opened: str | None = None  # the call's text after its start marker, put in the prompt; None: no call opened
+    bare: bool = False  # tool_choice "auto": a reply of only JSON calls (json_calls) is calls
 
 
 def plan_tools(req: ChatRequest, tokenizer) -> ToolPlan:
@@ -63,9 +66,11 @@ def plan_tools(req: ChatRequest, tokenizer) -> ToolPlan:
         if choice != "auto":
             raise ApiError(400, "tool_choice: this model has no tool-call format known to mlx-lm, so a call "
                                 "cannot be required of it: leave tool_choice out", "tool_choice")
-        return ToolPlan(tools)  # the template may still show them; the reply is text
+        return ToolPlan(tools, bare=True)  # the template may still show them; JSON calls are all it can find
     fmt = ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools)
-    return ToolPlan(tools, fmt, None if choice == "auto" else opening(fmt, None if choice == "required" else tools[0]))
+    if choice == "auto":
+        return ToolPlan(tools, fmt, bare=True)
+    return ToolPlan(tools, fmt, opening(fmt, None if choice == "required" else tools[0]))
 
 
 def opening(fmt: ToolFormat, tool: dict | None) -> str:
@@ -110,6 +115,82 @@ def parse_calls(fmt: ToolFormat, text: str) -> list[dict] | None:
                 return None
         else:
             args = json.dumps(args, ensure_ascii=False)
-        calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
-                      "function": {"name": call["name"], "arguments": args}})
+        calls.append(openai_call(call["name"], args))
     return calls
+
+
+def openai_call(name: str, arguments: str) -> dict:
+    return {"id": "call_" + secrets.token_hex(12), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+FENCE = "```"
+
+
+def json_end(s: str) -> int | None:
+    """Where the JSON value that `s` starts with ends (its brackets close); None if they do not yet."""
+    depth, quoted, escaped = 0, False, False
+    for i, c in enumerate(s):
+        if quoted:
+            quoted, escaped = quoted and (escaped or c != '"'), not escaped and c == "\\"
+        elif c == '"':
+            quoted = True
+        elif c in "{[]}":
+            depth += 1 if c in "{[" else -1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def json_reply(text: str) -> tuple[bool, str | None, str] | None:
+    """The start of a reply read as one JSON value, bare or after a ```json (or ```) line:
+    (fenced, the value once its brackets close else None, the text after it); None if it cannot be."""
+    s = text.lstrip()
+    fenced = s.startswith("`")
+    if fenced:
+        if not s.startswith(FENCE):
+            return (True, None, "") if FENCE.startswith(s) else None
+        head, newline, s = s[len(FENCE):].partition("\n")
+        kind = head.strip().lower()
+        if not (kind in ("", "json") if newline else "json".startswith(kind)):
+            return None
+    s = s.lstrip()
+    if s and (s[0] not in "{[" or s[1:].lstrip()[:1] not in ('"{' if s[0] == "{" else "{")):
+        return None  # an object's first key, or a list's first object, opens right away
+    end = json_end(s) if s else None
+    return (fenced, None, "") if end is None else (fenced, s[:end], s[end:])
+
+
+def may_be_json_calls(text: str, tools: list[dict]) -> bool:
+    """Whether a reply that starts so may still be only JSON calls (json_calls)."""
+    read = json_reply(text)
+    if read is None or read[1] is None:
+        return read is not None
+    fenced, value, rest = read
+    return (FENCE.startswith(rest.strip()) if fenced else not rest.strip()) and bool(calls_in(value, tools))
+
+
+def json_calls(text: str, tools: list[dict]) -> list[dict] | None:
+    """OpenAI tool calls from a whole reply that is one JSON call, or a list of them, bare or in one
+    ```json block: each exactly {"name": an offered tool, "arguments" (or "parameters"): {...}}."""
+    read = json_reply(text)
+    if read is None or read[1] is None or read[2].strip() != (FENCE if read[0] else ""):
+        return None
+    return calls_in(read[1], tools)
+
+
+def calls_in(value: str, tools: list[dict]) -> list[dict] | None:
+    """The calls of json_calls in the text of its JSON value; None if it holds something else."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:  # {{...}}: Qwen2.5-Coder-1.5B copies its template's doubled braces
+        return calls_in(value[1:-1], tools) if value.startswith("{{") and value.endswith("}}") else None
+    names, calls = [t["function"]["name"] for t in tools], []
+    for call in parsed if isinstance(parsed, list) else [parsed]:
+        if not isinstance(call, dict) or call.get("name") not in names:
+            return None
+        keys = set(call) - {"name"}  # nothing else: a tool's definition written back is no call
+        if keys not in ({"arguments"}, {"parameters"}) or not isinstance(args := call[keys.pop()], dict):
+            return None
+        calls.append(openai_call(call["name"], json.dumps(args, ensure_ascii=False)))
+    return calls or None

@@ -1,6 +1,7 @@
 """Tool calling, log-probabilities and response_format on `omnidraft serve`: the tool-call
-splitter on strings with mlx-lm's own parser (a tiny random model never writes a call), and the
-real server process on the tiny pair with the `openai` client (raw httpx for bad requests)."""
+splitters on strings (mlx-lm's own parser for tagged calls, and the JSON replies of tool_choice
+"auto"; a tiny random model never writes a call), and the real server process on the tiny pair
+with the `openai` client (raw httpx for bad requests)."""
 
 import json
 
@@ -11,21 +12,23 @@ from mlx_lm.tool_parsers import json_tools
 from openai import OpenAI
 
 from omnidraft_mlx.generate import PlainStats, plain_generate
-from omnidraft_mlx.serve_text import ToolSplit
-from omnidraft_mlx.serve_tools import ToolFormat
+from omnidraft_mlx.serve_text import ToolSplit, splitter
+from omnidraft_mlx.serve_tools import ToolFormat, ToolPlan
 
 from test_server import KEY, error_of, start
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone",
+                                         "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
 QWEN = ToolFormat(json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call, [WEATHER])
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
-def split(text: str, pieces: list[int], opened: str | None = None) -> list:
-    """ToolSplit's events for `text` sent in pieces cut at these offsets, then finished."""
-    tools, events, cuts = ToolSplit(QWEN, opened), [], [0, *pieces, len(text)]
+def split(text: str, pieces: list[int], opened: str | None = None, tools=None) -> list:
+    """A splitter's events (ToolSplit's unless given) for `text` sent in pieces cut at these offsets, then finished."""
+    tools, events, cuts = tools or ToolSplit(QWEN, opened), [], [0, *pieces, len(text)]
     for a, b in zip(cuts, cuts[1:]):
         events += tools.add(text[a:b])
     events += tools.finish()
@@ -73,6 +76,58 @@ def test_malformed_tool_calls_come_back_as_text():
                 '<tool_call>\n{"name": "get_weather", "arguments": {"ci']:  # cut short (max_tokens)
         assert split("ok " + bad, [4, 12]) == [("text", "ok " + bad)]
     assert split("a <tool_ca", [3]) == [("text", "a <tool_ca")]  # held back, then let go at the end
+
+
+def auto() -> object:
+    """The splitter of a tool_choice "auto" reply, get_weather and get_time offered, in Qwen's format."""
+    return splitter(ToolPlan([WEATHER, TIME], QWEN, bare=True))
+
+
+PARIS, ZONE = ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "Europe/Paris"})
+JSON_REPLIES = {  # what Qwen2.5-Coder 0.5B and 1.5B write in auto mode (the first four), and the like
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}': [PARIS],
+    '```json\n{\n  "name": "get_time",\n  "arguments": {\n    "zone": "Europe/Paris"\n  }\n}\n```': [ZONE],
+    '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```': [PARIS],
+    '{{"name": "get_weather", "arguments": {"city": "Paris"}}}': [PARIS],  # the 1.5B template's doubled braces
+    '\n ```\n[{"name": "get_weather", "parameters": {"city": "Paris"}},\n {"name": "get_time", "arguments": '
+    '{"zone": "Europe/Paris"}}]\n```\n': [PARIS, ZONE],
+    '  {"name": "get_weather", "arguments": {"city": "Paris \\"}{[ "}}\n\n': [("get_weather", {"city": 'Paris "}{[ '})],
+}
+
+
+def test_a_reply_of_only_json_calls_is_tool_calls_wherever_the_pieces_break():
+    for text, expected in JSON_REPLIES.items():
+        for cuts in [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]:  # and a piece a character
+            events = split(text, cuts, tools=auto())
+            assert [k for k, _ in events] == ["tool_calls"] and calls_of(events) == expected, (text, cuts)
+    assert calls_of(split(CALL, [7], tools=auto())) == [PARIS]  # Qwen's own tags still work
+
+
+def test_other_replies_to_auto_stay_text_wherever_the_pieces_break():
+    for text in ['```json\n{\n  "name": "add_numbers",\n  "arguments": {\n    "a": 5\n  }\n}\n```',  # not offered
+                 'Call it so: {"name": "get_weather", "arguments": {"city": "Paris"}}',  # prose around the call
+                 '{"name": "get_weather", "arguments": {"city": "Paris"}}\nThat gets the weather.',
+                 '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\nThat gets it.',
+                 '{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"name": "get_weather", '
+                 '"arguments": {"city": "Paris"}}',  # two calls, not in a list (the 0.5B after a tool's result)
+                 '{"name": "get_weather", "description": "w", "parameters": {"type": "object"}}',  # a definition
+                 '{"name": "get_weather", "arguments": "Paris"}', '{"name": "get_weather"}', '[]', '{}',
+                 '{"name": "get_weather", "arguments": {"city": "Paris"}',  # cut short
+                 '{"name": get_weather}', '[1, 2]', '```python\ndef f(): pass\n```', 'The weather is fine.', '']:
+        for cuts in [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]:
+            assert split(text, cuts, tools=auto()) == ([("text", text)] if text else []), (text, cuts)
+
+
+def test_a_reply_that_cannot_be_json_calls_streams_as_soon_as_it_shows():
+    for start, held in [("It is", False), ("\n{", True), ("```", True), ("```JSON\n  {", True), ("```py", False),
+                        ("[{", True), ("[1", False), ('{"a', True), ("{'a'", False),
+                        ('{"name": "f", "arguments": {}}', False), ('{"name": "get_time", "arguments": {}}\n', True),
+                        ('{"name": "get_time", "arguments": {}} x', False)]:
+        assert auto().add(start) == ([] if held else [("text", start)]), start
+    tools = auto()
+    assert tools.add('{"name": "get_weather", "arguments": {') == [] and tools.add("}} ok") == [
+        ("text", '{"name": "get_weather", "arguments": {}} ok')]
+    assert tools.add(" more") == [("text", " more")] and tools.finish() == []
 
 
 @pytest.fixture(scope="module")
