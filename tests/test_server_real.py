@@ -1,8 +1,11 @@
-"""`omnidraft serve` on real models (SmolLM2-135M drafting for Qwen2.5-Coder-0.5B), over real HTTP:
-a tool-call round trip with the `openai` client, and an openai-agents agent that uses a tool.
+"""`omnidraft serve` on real models (SmolLM2-135M drafting for Qwen2.5-Coder-0.5B, and for the
+1.5B), over real HTTP: a tool-call round trip with the `openai` client, and openai-agents agents
+that use a tool.
 
-Qwen2.5-Coder-0.5B, asked with tool_choice "auto", writes its call as bare JSON
-(no <tool_call> tags), so these ask for the call ("required", or by name).
+Qwen2.5-Coder-0.5B, asked with tool_choice "auto" (what agents send), writes its call as bare
+JSON, no <tool_call> tags: the server reads a reply of only such JSON as the call. After the
+tool's result it writes the call again rather than an answer, so the agent's whole task (call,
+result, answer) runs on Qwen2.5-Coder-1.5B (pulled on first use, like the others).
 """
 
 import asyncio
@@ -30,6 +33,18 @@ def server(tmp_path_factory):
 
 def test_openai_tool_call_round_trip(server):
     client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    auto = client.chat.completions.create(model=TARGET, messages=[QUESTION], tools=[WEATHER], temperature=0,
+                                          max_tokens=32)  # tool_choice "auto": the model's bare JSON is the call
+    (call,) = auto.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert auto.choices[0].finish_reason == "tool_calls" and auto.choices[0].message.content is None
+    chunks = list(client.chat.completions.create(model=TARGET, messages=[QUESTION], tools=[WEATHER],
+                                                 tool_choice="auto", temperature=0, max_tokens=32, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("get_weather", {"city": "Paris"})]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
     reply = client.chat.completions.create(model=TARGET, messages=[QUESTION], tools=[WEATHER], tool_choice="required",
                                            temperature=0, max_tokens=32)
     choice = reply.choices[0]
@@ -53,12 +68,10 @@ def test_openai_tool_call_round_trip(server):
     assert answer.choices[0].message.content and answer.usage.prompt_tokens > reply.usage.prompt_tokens
 
 
-def test_an_openai_agents_agent_uses_a_tool_through_the_server(server):
-    """The agent picks the tool and its argument through the server, streamed and not; the tool's
-    result is its answer (stop_on_first_tool: after a tool result, with the tools still offered,
-    this small model writes JSON again rather than an answer)."""
-    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
-                        set_tracing_disabled)
+def weather_agent(server, target: str, **kw):
+    """An openai-agents agent on the server's model, in its default tool_choice ("auto"), with a
+    get_weather tool; (the agent, the cities the tool was asked about)."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, function_tool, set_tracing_disabled
 
     set_tracing_disabled(True)  # nothing leaves the machine
     asked = []
@@ -69,11 +82,20 @@ def test_an_openai_agents_agent_uses_a_tool_through_the_server(server):
         asked.append(city)
         return f"{city}: 18 degrees Celsius, cloudy"
 
-    model = OpenAIChatCompletionsModel(model=TARGET, openai_client=AsyncOpenAI(base_url=server.url + "/v1",
+    model = OpenAIChatCompletionsModel(model=target, openai_client=AsyncOpenAI(base_url=server.url + "/v1",
                                                                                api_key="none", max_retries=0))
-    agent = Agent(name="weather", instructions="Use the get_weather tool, then answer the question in one sentence.",
-                  tools=[get_weather], model=model, tool_use_behavior="stop_on_first_tool",
-                  model_settings=ModelSettings(temperature=0, max_tokens=48, tool_choice="required"))
+    settings = ModelSettings(temperature=0, max_tokens=48)
+    return Agent(name="weather", instructions="Use the get_weather tool, then answer the question in one sentence.",
+                 tools=[get_weather], model=model, model_settings=settings, **kw), asked
+
+
+def test_an_openai_agents_agent_uses_a_tool_through_the_server(server):
+    """The agent picks the tool and its argument through the server, streamed and not; the tool's
+    result is its answer (stop_on_first_tool: after a tool result, with the tools still offered,
+    this small model writes the same call again, as JSON, rather than an answer)."""
+    from agents import Runner
+
+    agent, asked = weather_agent(server, TARGET, tool_use_behavior="stop_on_first_tool")
 
     async def ask() -> tuple[str, str]:  # one event loop: the client's connections belong to it
         done = await Runner.run(agent, "What is the weather in Paris?", max_turns=2)
@@ -84,3 +106,20 @@ def test_an_openai_agents_agent_uses_a_tool_through_the_server(server):
 
     assert asyncio.run(ask()) == ("Paris: 18 degrees Celsius, cloudy", "Lyon: 18 degrees Celsius, cloudy")
     assert asked == ["Paris", "Lyon"]
+
+
+def test_an_agent_on_qwen_1_5b_answers_from_the_tools_result(tmp_path):
+    """The whole task, as agents run it: the call, the tool's result sent back, then the model's
+    own answer, all in auto mode (Qwen2.5-Coder-1.5B, which writes an answer after a result)."""
+    from agents import Runner
+
+    srv = ServerProcess(DRAFT, "qwen2.5-coder-1.5b", tmp_path / "server.log", "--no-profile", "--no-adapt",
+                        "--max-tokens", "48")
+    try:
+        agent, asked = weather_agent(srv, "qwen2.5-coder-1.5b")
+        done = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
+    finally:
+        assert srv.stop() == 0, srv.log.read_text()
+    assert asked == ["Paris"] and [type(item).__name__ for item in done.new_items] == [
+        "ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+    assert "18 degrees" in done.final_output and "Paris" in done.final_output
