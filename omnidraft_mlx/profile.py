@@ -12,9 +12,8 @@ Reads hold a shared lock and saves an exclusive one (fcntl.flock on .lock). A
 save re-reads the manifest under its lock and builds on what another process
 saved since this one loaded (or last saved):
 - each learned part merges the saved one with its own learning since (learned.py);
-- the update count is the sum, the history theirs then this save's record;
-- a corpus position is the furthest either reached (it says where to resume: two
-  processes that read the same prompts have learned from them once);
+- the update count is the sum, the history theirs then this save's record; a
+  corpus position the furthest either reached (prompts are learned from once);
 - adapter weights cannot be merged: a process saving an update keeps its own
   adapter and optimizer state as the newest, counts both processes' updates,
   and says so in one line; a save without an update leaves the adapter as it is.

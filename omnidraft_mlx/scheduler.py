@@ -12,11 +12,10 @@ step through the same loop). The option expected to make tokens fastest wins.
 - The drafter and plain steps are rated by what they realized: tokens emitted
   per second over their recent rounds (sums that decay by the rounds since).
 The guard is the plain option: while no source is expected to beat plain
-decoding, the loop decodes plainly (without it some source drafts every round).
-The drafter or plain, not chosen for a while, is probed (the text may have
-changed): tried for a few rated rounds (plain for one: a plain step always makes
-one token), then judged against the best of the others; each lost probe doubles
-the wait. A round in which the drafter first caught up on text that lookups
+decoding, the loop decodes plainly. The drafter or plain, not chosen for a while,
+is probed (the text may have changed): tried for a few rated rounds (plain for
+one: a plain step always makes one token), then judged against the best of the
+others; each lost probe doubles the wait. A round in which the drafter first caught up on text that lookups
 drafted costs more than its usual round and is not rated. The best lookup found
 is also the drafter's guess, read ahead in one forward (drafter.py). The chosen
 draft is padded with looked-up tokens to the length that verifies fastest (not
