@@ -83,7 +83,8 @@ class StreamOptions(BaseModel):
 
 
 class Sampling(BaseModel):
-    """Fields both endpoints take; other OpenAI fields are accepted and ignored."""
+    """Fields both endpoints take. Other OpenAI fields are accepted and ignored, but for those that
+    would change the answer: asked for at other than their defaults, they get a 400 (unsupported())."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
@@ -96,6 +97,16 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> None:
+        """A 400 for a field that would change the answer and is not at its default (never ignored)."""
+        for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
+            if getattr(self, name):
+                raise ApiError(400, f"{name}: not supported (the reply is the target's own distribution); "
+                                    "leave it out", name)
 
 
 class ChatRequest(Sampling):
@@ -108,6 +119,7 @@ class ChatRequest(Sampling):
 
     def check(self) -> None:
         """What a valid body may still ask that this server cannot give."""
+        self.unsupported()
         if self.response_format and self.response_format.type != "text":
             raise ApiError(400, f"response_format: '{self.response_format.type}' is not supported (this server "
                                 "does not constrain replies to JSON): leave it out or give {'type': 'text'}",
@@ -121,6 +133,7 @@ class CompletionRequest(Sampling):
     logprobs: int | None = None
 
     def check(self) -> None:
+        self.unsupported()
         if self.logprobs is not None:
             raise ApiError(400, "logprobs: not supported on /v1/completions; /v1/chat/completions gives them",
                            "logprobs")

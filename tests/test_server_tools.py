@@ -222,6 +222,10 @@ def test_what_the_server_cannot_honour_gets_a_400_and_it_keeps_serving(server, c
     assert error_of(post({**ok, "logprobs": True, "top_logprobs": 21}), 400)["param"] == "top_logprobs"
     completion = {"prompt": "def add_3(x):", "max_tokens": 4, "logprobs": 2}
     assert error_of(post(completion, "/v1/completions"), 400)["param"] == "logprobs"
+    for field, value in (("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("logit_bias", {"15": 5})):
+        assert error_of(post({**ok, field: value}), 400)["param"] == field
+        assert error_of(post({"prompt": "x", field: value}, "/v1/completions"), 400)["param"] == field
+    assert post({**ok, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}}).status_code == 200
 
     assert post(ok).json()["usage"]["completion_tokens"] == 4
     assert server.health()["failed"] == 0
