@@ -1,0 +1,153 @@
+"""Token trees: several candidate continuations verified in one target forward.
+
+A draft's main chain and its branches (other continuations: the drafter's
+next-best tokens) are merged as a trie of target tokens, flattened parents
+first, the chain's nodes first. The target reads the whole tree in one forward:
+each node attends to the cached prefix and to its own ancestors (an ancestor
+mask handed to attention through the caches' `make_mask`), at the position its
+depth gives it (each attention's `rope` wrapped for the call). mlx-lm's models
+are used as they are. Afterwards the accepted path's keys and values move to the
+front of the new block and the caches keep exactly what a chain would have kept.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass
+class TokenTree:
+    """Nodes in target tokens, parents first; the root (-1) is the last committed token."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    chain: int = 0  # the first `chain` nodes are the main chain, each the child of the one before
+
+    @classmethod
+    def of(cls, chain: list[int], branches: list[list[int]] = ()) -> "TokenTree":
+        """The chain, then each branch (target tokens from the root) merged in."""
+        tree = cls(list(chain), list(range(-1, len(chain) - 1)), len(chain))
+        for branch in branches:
+            tree.add(branch)
+        return tree
+
+    def child(self, node: int, token: int) -> int | None:
+        return next((i for i in self.children(node) if self.tokens[i] == token), None)
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def add(self, path: list[int]) -> int:
+        """Merge a path from the root; the number of new nodes."""
+        node, new = -1, 0
+        for token in path:
+            found = self.child(node, token)
+            if found is None:
+                self.tokens.append(token), self.parents.append(node)
+                found, new = len(self.tokens) - 1, new + 1
+            node = found
+        return new
+
+    def new_nodes(self, path: list[int]) -> int:
+        """How many nodes merging the path would add."""
+        node = -1
+        for depth, token in enumerate(path):
+            node = self.child(node, token)
+            if node is None:
+                return len(path) - depth
+        return 0
+
+    @property
+    def is_chain(self) -> bool:
+        return len(self.tokens) == self.chain
+
+    def on_chain(self, path: list[int]) -> int:
+        """How many of a path's first nodes are the chain's."""
+        return next((i for i, node in enumerate(path) if node != i), len(path))
+
+    def rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per row of the forward (row 0: the root, row i + 1: node i): its depth, and
+        its ancestors (itself included) as a boolean matrix."""
+        n = len(self.tokens) + 1
+        depth, ancestors = np.zeros(n, np.int32), np.eye(n, dtype=bool)
+        for i, parent in enumerate(self.parents):
+            depth[i + 1] = depth[parent + 1] + 1
+            ancestors[i + 1] |= ancestors[parent + 1]
+        return depth, ancestors
+
+
+def tree_mask(offset: int, depth: np.ndarray, ancestors: np.ndarray, window: int | None) -> mx.array:
+    """Which keys each tree row attends to: the cached prefix (within the window) and its ancestors."""
+    q_pos = offset + depth
+    k_pos = np.concatenate([np.arange(offset), q_pos])
+    mask = np.concatenate([np.ones((len(depth), offset), bool), ancestors], axis=1)
+    if window:
+        mask &= (q_pos[:, None] - k_pos[None, :]) < window
+    return mx.array(mask)
+
+
+class TreeRoPE:
+    """A layer's rope with one position per token: the tokens move onto the batch axis,
+    where mx.fast.rope takes an offset per row."""
+
+    def __init__(self, rope, depth: mx.array):
+        self.rope, self.depth = rope, depth
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        return self.rope(x.transpose(2, 1, 0, 3), offset=offset + self.depth).transpose(2, 1, 0, 3)
+
+
+@contextmanager
+def tree_attention(model, cache: list, tree: TokenTree):
+    """For one forward over [root, *tree.tokens]: ancestor masks and per-token positions."""
+    depth, ancestors = tree.rows()
+    ropes = [m for _, m in model.named_modules() if isinstance(m, dict) and "rope" in m]
+    for c in cache:
+        def make_mask(N, return_array=False, window_size=None, c=c):
+            return tree_mask(c.offset, depth, ancestors, window_size or getattr(c, "window", None))
+        c.make_mask = make_mask
+    originals = [m["rope"] for m in ropes]
+    for m in ropes:
+        m["rope"] = TreeRoPE(m["rope"], mx.array(depth))
+    try:
+        yield
+    finally:
+        for m, rope in zip(ropes, originals):
+            m["rope"] = rope
+        for c in cache:
+            del c.make_mask
+
+
+def tree_forward(model, cache: list, root: int, tree: TokenTree) -> mx.array:
+    """The target's logits for each row of [root, *tree.tokens], written into its cache; a
+    chain takes the plain path. On an exception the caches hold what they held before."""
+    offset = cache[0].offset
+    inputs = mx.array([root, *tree.tokens])[None]
+    try:
+        if tree.is_chain:
+            return model(inputs, cache=cache)[0]
+        with tree_attention(model, cache, tree):
+            out = model(inputs, cache=cache)[0]
+            mx.eval(out)
+            return out
+    except BaseException:
+        for c in cache:
+            c.trim(c.offset - offset)
+        raise
+
+
+def keep_rows(cache: list, start: int, rows: list[int]) -> None:
+    """Move the keys and values of the block's kept rows (in order) to its front; the trim
+    after that is the caller's. A chain's kept rows are its front already."""
+    if rows == list(range(len(rows))):
+        return
+    index = mx.array(rows) + start
+    end = start + len(rows)
+    for c in cache:
+        for arrays in (c.keys, c.values):
+            for a in arrays if isinstance(arrays, (list, tuple)) else (arrays,):
+                a[..., start:end, :] = a[..., index, :]

@@ -1,0 +1,141 @@
+"""Token trees on tiny random models of each family (qwen2, llama, gemma3_text with a
+sliding window shorter than the prompt): one forward over a tree gives every node the
+logits a token-by-token decode of its own path gives, and the caches compacted to
+the accepted path continue exactly as if only that path had been fed."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import gemma3_text, llama, qwen2
+from mlx_lm.models.cache import QuantizedKVCache
+
+from omnidraft_mlx.kvcache import make_cache, prefill
+from omnidraft_mlx.tree import TokenTree, keep_rows, tree_forward
+
+VOCAB, WINDOW = 97, 8
+BASE = dict(hidden_size=128, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0,
+            max_position_embeddings=512, tie_word_embeddings=False)
+FAMILIES = {
+    "qwen2": (qwen2, {}),
+    "llama": (llama, {}),
+    "gemma3_text": (gemma3_text, dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+                                      sliding_window_pattern=3)),
+}
+PREFIX = np.random.default_rng(0).integers(0, VOCAB, 21).tolist()  # longer than the window
+# Main chain 5 -> 6 -> 7 -> 8, branches off the root, off node 0 and off a branch.
+TREE = TokenTree.of([5, 6, 7, 8], [[9, 10, 11], [5, 12], [5, 6, 13, 14], [9, 15]])
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model(request):
+    arch, extra = FAMILIES[request.param]
+    mx.random.seed(1)
+    m = arch.Model(arch.ModelArgs.from_dict({**BASE, **extra, "model_type": request.param}))
+    mx.eval(m.parameters())
+    return m
+
+
+def path_to(tree: TokenTree, node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.insert(0, node)
+        node = tree.parents[node]
+    return path
+
+
+def stepwise(model, ids: list[int]) -> mx.array:
+    """Logits after each of ids, fed one at a time into a fresh cache."""
+    cache = make_cache(model)
+    return mx.concatenate([model(mx.array([[t]]), cache=cache)[0] for t in ids])
+
+
+def test_tree_structure_merges_shared_prefixes():
+    assert TREE.tokens[:4] == [5, 6, 7, 8] and TREE.chain == 4
+    assert len(TREE.tokens) == 4 + 3 + 1 + 2 + 1  # [5, ...] and [5, 6, ...] merged into the chain
+    assert TREE.children(-1) == [0, 4]
+    assert TREE.on_chain([0, 1, 9]) == 2 and TREE.on_chain([4, 5]) == 0
+    assert TREE.new_nodes([9, 10, 16, 17]) == 2 and TREE.new_nodes([5, 6]) == 0
+    depth, anc = TREE.rows()
+    assert depth.tolist() == [0, 1, 2, 3, 4, 1, 2, 3, 2, 3, 4, 2]
+    assert anc[10].nonzero()[0].tolist() == [0, 1, 2, 9, 10]  # row 10: node 9, [5, 6, 13, 14]'s last
+
+
+def test_one_forward_gives_each_node_its_own_path_logits(model):
+    cache = make_cache(model)
+    prefill(model, cache, PREFIX)
+    root = 3
+    out = tree_forward(model, cache, root, TREE)
+    assert out.shape[0] == len(TREE.tokens) + 1
+    assert cache[0].offset == len(PREFIX) + len(TREE.tokens) + 1
+    full = stepwise(model, PREFIX + [root])
+    assert mx.allclose(out[0], full[-1], atol=1e-4).item()
+    for node in range(len(TREE.tokens)):
+        ids = PREFIX + [root] + [TREE.tokens[i] for i in path_to(TREE, node)]
+        assert mx.allclose(out[node + 1], stepwise(model, ids)[-1], atol=1e-4).item(), node
+    # The model is left as it was: a later chain forward is the plain one.
+    assert "make_mask" not in vars(cache[0])
+
+
+@pytest.mark.parametrize("node", [3, 6, 10, 7])
+def test_cache_compacted_to_the_accepted_path_continues_exactly(model, node):
+    cache = make_cache(model)
+    prefill(model, cache, PREFIX)
+    start = cache[0].offset
+    tree_forward(model, cache, 3, TREE)
+    path = path_to(TREE, node)
+    rows = [0, *(i + 1 for i in path)]
+    keep_rows(cache, start, rows)
+    for c in cache:
+        c.trim(c.offset - start - len(rows))
+    ids = PREFIX + [3] + [TREE.tokens[i] for i in path]
+    after = model(mx.array([[40, 41]]), cache=cache)[0]
+    assert mx.allclose(after, stepwise(model, ids + [40, 41])[-2:], atol=1e-4).item()
+
+
+def test_quantized_caches_compact_too(model):
+    if any(getattr(c, "window", None) for c in make_cache(model)):
+        pytest.skip("sliding-window layers keep full-precision caches")
+    cache = make_cache(model)
+    prefill(model, cache, PREFIX)
+    cache = [c.to_quantized(group_size=32, bits=8) for c in cache]
+    assert isinstance(cache[0], QuantizedKVCache)
+    start = cache[0].offset
+    tree_forward(model, cache, 3, TREE)
+    rows = [0, *(i + 1 for i in path_to(TREE, 6))]
+    keep_rows(cache, start, rows)
+    for c in cache:
+        c.trim(c.offset - start - len(rows))
+    reference = make_cache(model)
+    prefill(model, reference, PREFIX)
+    reference = [c.to_quantized(group_size=32, bits=8) for c in reference]
+    expected = model(mx.array([[3, 9, 10, 11, 40]]), cache=reference)[0][-1]
+    after = model(mx.array([[40]]), cache=cache)[0][-1]
+    assert mx.allclose(after, expected, atol=1e-3).item()
+
+
+def test_an_exception_leaves_the_caches_as_they_were(model):
+    cache = make_cache(model)
+    prefill(model, cache, PREFIX)
+    before = [c.offset for c in cache]
+
+    class Failing:  # the last layer fails after the others wrote their caches
+        def __init__(self, layer):
+            self.layer = layer
+
+        def __getattr__(self, name):
+            return getattr(self.layer, name)
+
+        def __call__(self, *args, **kwargs):
+            raise MemoryError("out of memory")
+
+    layers = model.model.layers
+    last = layers[-1]
+    layers[-1] = Failing(last)
+    try:
+        with pytest.raises(MemoryError):
+            tree_forward(model, cache, 3, TREE)
+    finally:
+        layers[-1] = last
+    assert [c.offset for c in cache] == before
+    assert "make_mask" not in vars(cache[0])
