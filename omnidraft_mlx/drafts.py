@@ -14,6 +14,7 @@ import numpy as np
 
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.settings import check_choice
+from omnidraft_mlx.tree import TokenTree
 
 
 @dataclass
@@ -55,6 +56,14 @@ class Draft:
     # The last `padding` tokens were looked up after the source's own, to fill a draft length
     # that verifies no slower (fit.VerifyCost.cheapest_length); they are point masses.
     padding: int = 0
+    # Other continuations to verify beside the tokens, as a token tree (tree.py): target tokens from
+    # the root, each with the tokens it is expected to add; point masses. The scheduler keeps those
+    # that pay for the width they add.
+    branches: list[tuple[float, list[int]]] = field(default_factory=list)
+    expected: float = 0.0  # tokens the source expects to be accepted of its own (branches are judged against it)
+
+    def tree(self) -> TokenTree:
+        return TokenTree.of(self.tokens, [path for _, path in self.branches])
 
     @property
     def own(self) -> int:

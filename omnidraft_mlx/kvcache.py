@@ -15,6 +15,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from omnidraft_mlx.align import common_prefix
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.tree import TokenTree, keep_path, tree_forward
 
 PREFILL_CHUNK = 512
 
@@ -101,6 +102,19 @@ class KVSlot:
         """Feed ids after what the cache holds; the last position's hidden state (prefill's rows)."""
         self.tokens += ids
         return prefill(model, self.cache, ids, rows)
+
+    def verify(self, model, root: int, tree: TokenTree) -> mx.array:
+        """The model's logits after the root and after each of the tree's nodes (one forward)."""
+        out = tree_forward(model, self.cache, root, tree)
+        self.tokens += [root, *tree.tokens]
+        return out
+
+    def keep_path(self, tree: TokenTree, path: list[int]) -> None:
+        """After verify: keep the root and the accepted path's nodes, in order."""
+        start = len(self.tokens) - len(tree.tokens)
+        keep_path(self.cache, start, path)
+        self.tokens[start : start + len(path)] = [tree.tokens[i] for i in path]
+        self.rewind(start + len(path))
 
     def reuse(self, model, ids: list[int], keep_last: int = 0) -> mx.array | None:
         """Make the cache hold exactly ids: keep the common prefix, feed the rest.

@@ -163,10 +163,11 @@ class Scheduler:
                 break
         return draft
 
-    def settle(self, draft: Draft, accepted: int, timing: dict) -> None:
-        """Learn from a verified round: the source's own learning, the verification cost, the option's rate."""
+    def settle(self, draft: Draft, accepted: int, timing: dict, width: int) -> None:
+        """Learn from a verified round (`accepted` of the draft's own tokens, `width` tokens verified):
+        the source's own learning, the verification cost, the option's rate."""
         draft.settle(accepted, timing)
-        self.verify.add(len(draft.tokens), timing["verify_s"])
+        self.verify.add(width, timing["verify_s"])
         if draft.catch_up or self.looked_up:  # not rated: a catch-up costs more than the
             return  # source's usual round; a lookup is judged by its kind's hold rate
         rate = self._rate(draft.source)

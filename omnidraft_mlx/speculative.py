@@ -28,6 +28,7 @@ from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.policy import DraftPolicy, FixedPolicy, PolicyConfig
 from omnidraft_mlx.scheduler import Scheduler
 from omnidraft_mlx.settings import check_choice, check_range
+from omnidraft_mlx.tree import TokenTree
 
 SAMPLING_MODES = ("exact", "omnidraft")  # exact: direct maps only, provably lossless; omnidraft: + n-grams
 
@@ -66,8 +67,10 @@ class SpecStats:
     draft_s: float = 0.0  # proposing (drafter forwards, lookups, translation)
     verify_s: float = 0.0  # target forwards
     rounds: int = 0  # = target forward passes after prefill
-    proposed: int = 0  # target tokens proposed
+    proposed: int = 0  # target tokens verified (a tree's nodes)
     accepted: int = 0
+    branched: int = 0  # rounds that verified a tree, not a chain
+    branch_held: int = 0  # accepted tokens that were a branch's, not the chain's
     emitted: int = 0
     ngram_hits: int = 0  # accepted tokens that were n-gram cache merges
     padded: int = 0  # looked-up tokens padding drafts to a length that verifies no slower
@@ -82,6 +85,10 @@ class SpecStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
+    def nodes_per_round(self) -> float:
+        return self.proposed / self.rounds if self.rounds else 0.0
+
+    @property
     def tokens_per_forward(self) -> float:
         return self.emitted / self.rounds if self.rounds else 0.0
 
@@ -93,22 +100,25 @@ class SpecStats:
     def other_s(self) -> float:
         return max(0.0, self.generate_s - self.draft_s - self.verify_s)
 
-    def add_round(self, draft: Draft, accepted: int, draft_s: float, verify_s: float) -> None:
+    def add_round(self, draft: Draft, tree: TokenTree, path: list[int], draft_s: float, verify_s: float) -> None:
+        on_chain = tree.on_chain(path)
         self.rounds += 1
-        self.proposed += len(draft.tokens)
-        self.accepted += accepted
+        self.proposed += len(tree.tokens)
+        self.accepted += len(path)
+        self.branched += len(tree.tokens) > tree.chain
+        self.branch_held += len(path) - on_chain
         self.drafted += draft.drafted
         self.padded += draft.padding
-        self.pad_held += max(0, accepted - draft.own)
+        self.pad_held += max(0, on_chain - draft.own)
         self.draft_forwards += draft.forwards
-        self.ngram_hits += sum(draft.merged[:accepted])
+        self.ngram_hits += sum(draft.merged[:on_chain])
         self.draft_s += draft_s
         self.verify_s += verify_s
         if draft.tokens:
-            why = "all accepted" if accepted == len(draft.tokens) else "rejected"
+            why = "all accepted" if on_chain == len(draft.tokens) else "rejected"
             self.round_ends[why] = self.round_ends.get(why, 0) + 1
         counts = self.by_source.setdefault(draft.source.split(":")[0], [0, 0, 0])
-        for i, x in enumerate((1, len(draft.tokens), accepted)):
+        for i, x in enumerate((1, len(tree.tokens), len(path))):
             counts[i] += x
 
 
@@ -127,21 +137,39 @@ def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return r / total if total > 0 else p
 
 
-def verify(out: mx.array, draft: Draft, cfg: SpecConfig, rng) -> tuple[int, int]:
-    """(draft tokens accepted, the target's next token). Greedy: while the target's
-    argmax agrees. Sampling: the standard rule, accept t with min(1, p(t)/q'(t)),
-    else sample from the residual (a point mass q': accept with p(t), else p without t)."""
+def point_mass(token: int, vocab: int) -> np.ndarray:
+    q = np.zeros(vocab)
+    q[token] = 1.0
+    return q
+
+
+def verify(out: mx.array, tree: TokenTree, draft: Draft, cfg: SpecConfig, rng) -> tuple[list[int], int]:
+    """(the accepted path of tree nodes, the target's next token). Row 0 of `out` is the
+    root's, row i + 1 node i's. Greedy: follow the child the target's argmax names.
+    Sampling (SpecInfer's multi-draft rule), a node's children in turn: accept t with
+    min(1, p(t)/q(t)), else p <- norm(max(0, p - q)) and try the next; none accepted:
+    sample from that p. A chain node's q is its source's; a branch node is a point mass
+    (accepted with p(t), else t leaves p)."""
+    node, path = -1, []
     if cfg.temp == 0:
         choice = out.argmax(axis=-1).tolist()
-        n = next((i for i, t in enumerate(draft.tokens) if choice[i] != t), len(draft.tokens))
-        return n, choice[n]
+        while (child := tree.child(node, choice[node + 1])) is not None:
+            node = child
+            path.append(node)
+        return path, choice[node + 1]
     p = target_probs(out, cfg.temp, cfg.top_p)
-    for n, t in enumerate(draft.tokens):
-        q = draft.proposal(n, p.shape[1])
-        if rng.random() * q[t] >= p[n, t]:  # reject with prob 1 - min(1, p/q')
-            return n, int(rng.choice(p.shape[1], p=residual(p[n], q)))
-    n = len(draft.tokens)
-    return n, int(rng.choice(p.shape[1], p=p[n] / p[n].sum()))
+    while True:
+        row = p[node + 1]
+        for child in tree.children(node):
+            t = tree.tokens[child]
+            q = draft.proposal(child, len(row)) if child < tree.chain else point_mass(t, len(row))
+            if rng.random() * q[t] < row[t]:
+                break
+            row = residual(row, q)
+        else:
+            return path, int(rng.choice(len(row), p=row / row.sum()))
+        node = child
+        path.append(node)
 
 
 def make_sources(pair: Pair, draft_prompt: list[int], cfg: SpecConfig, policy: DraftPolicy,
@@ -186,15 +214,16 @@ def speculative_generate(
             t0, left = time.perf_counter(), cfg.max_tokens - len(ctx.committed)
             draft = scheduler.propose(ctx, left)
             draft.tokens = draft.tokens[: left - 1]  # room for the target's own token
+            tree = draft.tree()
             t1 = time.perf_counter()
-            out = pair.target(mx.array([y, *draft.tokens])[None], cache=target.cache)[0]
-            target.tokens += [y, *draft.tokens]
-            n, y = verify(out, draft, cfg, ctx.rng)
+            out = target.verify(pair.target, y, tree)
+            path, y = verify(out, tree, draft, cfg, ctx.rng)
             t2 = time.perf_counter()
-            target.rewind(len(target.tokens) - len(draft.tokens) + n)
-            new = [*draft.tokens[:n], y]
-            scheduler.settle(draft, n, dict(draft_s=t1 - t0, verify_s=t2 - t1, round_s=t2 - t0, tokens=len(new)))
-            stats.add_round(draft, n, t1 - t0, t2 - t1)
+            target.keep_path(tree, path)
+            new = [*(tree.tokens[i] for i in path), y]
+            timing = dict(draft_s=t1 - t0, verify_s=t2 - t1, round_s=t2 - t0, tokens=len(new))
+            scheduler.settle(draft, tree.on_chain(path), timing, len(tree.tokens))
+            stats.add_round(draft, tree, path, t1 - t0, t2 - t1)
             stop = next((i for i, t in enumerate(new) if t in target_eos), None)
             new = new[:stop][: cfg.max_tokens - len(ctx.committed)]
             ctx.committed += new
@@ -202,9 +231,9 @@ def speculative_generate(
                 ctx.text += pair.vmap.target_bytes[t] or b""
             pair.learn_ngrams(new)
             if on_logits:
-                on_logits(out[: len(new)])
+                on_logits(out[mx.array([0, *(i + 1 for i in path)][: len(new)])])
             stats.emitted, stats.generate_s = len(ctx.committed), time.perf_counter() - t_gen
-            yield new, [i < n for i in range(len(new))]
+            yield new, [i < len(path) for i in range(len(new))]
             if stop is not None:
                 break
     finally:

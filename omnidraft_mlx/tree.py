@@ -140,13 +140,14 @@ def tree_forward(model, cache: list, root: int, tree: TokenTree) -> mx.array:
         raise
 
 
-def keep_rows(cache: list, start: int, rows: list[int]) -> None:
-    """Move the keys and values of the block's kept rows (in order) to its front; the trim
-    after that is the caller's. A chain's kept rows are its front already."""
-    if rows == list(range(len(rows))):
+def keep_path(cache: list, start: int, path: list[int]) -> None:
+    """Move the keys and values of the accepted path's nodes (the tree's block starts at
+    `start`) to the front of the block; the trim after it is the caller's. A chain's
+    accepted nodes are its front already."""
+    if path == list(range(len(path))):
         return
-    index = mx.array(rows) + start
-    end = start + len(rows)
+    index = mx.array(path) + start
+    end = start + len(path)
     for c in cache:
         for arrays in (c.keys, c.values):
             for a in arrays if isinstance(arrays, (list, tuple)) else (arrays,):

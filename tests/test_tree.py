@@ -10,7 +10,7 @@ from mlx_lm.models import gemma3_text, llama, qwen2
 from mlx_lm.models.cache import QuantizedKVCache
 
 from omnidraft_mlx.kvcache import make_cache, prefill
-from omnidraft_mlx.tree import TokenTree, keep_rows, tree_forward
+from omnidraft_mlx.tree import TokenTree, keep_path, tree_forward
 
 VOCAB, WINDOW = 97, 8
 BASE = dict(hidden_size=128, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
@@ -81,13 +81,12 @@ def test_one_forward_gives_each_node_its_own_path_logits(model):
 def test_cache_compacted_to_the_accepted_path_continues_exactly(model, node):
     cache = make_cache(model)
     prefill(model, cache, PREFIX)
-    start = cache[0].offset
+    start = cache[0].offset + 1  # the root, then the tree's nodes
     tree_forward(model, cache, 3, TREE)
     path = path_to(TREE, node)
-    rows = [0, *(i + 1 for i in path)]
-    keep_rows(cache, start, rows)
+    keep_path(cache, start, path)
     for c in cache:
-        c.trim(c.offset - start - len(rows))
+        c.trim(c.offset - start - len(path))
     ids = PREFIX + [3] + [TREE.tokens[i] for i in path]
     after = model(mx.array([[40, 41]]), cache=cache)[0]
     assert mx.allclose(after, stepwise(model, ids + [40, 41])[-2:], atol=1e-4).item()
@@ -100,12 +99,12 @@ def test_quantized_caches_compact_too(model):
     prefill(model, cache, PREFIX)
     cache = [c.to_quantized(group_size=32, bits=8) for c in cache]
     assert isinstance(cache[0], QuantizedKVCache)
-    start = cache[0].offset
+    start = cache[0].offset + 1
     tree_forward(model, cache, 3, TREE)
-    rows = [0, *(i + 1 for i in path_to(TREE, 6))]
-    keep_rows(cache, start, rows)
+    path = path_to(TREE, 6)
+    keep_path(cache, start, path)
     for c in cache:
-        c.trim(c.offset - start - len(rows))
+        c.trim(c.offset - start - len(path))
     reference = make_cache(model)
     prefill(model, reference, PREFIX)
     reference = [c.to_quantized(group_size=32, bits=8) for c in reference]
