@@ -1,4 +1,5 @@
-"""Per task and method summaries of bench records, as a table and as JSON rows."""
+"""Per task and method summaries of bench records, as a table and as JSON rows; per episode
+speedups of the agent task (an episode's steps summed)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from rich.table import Table
 from omnidraft_mlx.atomic import atomic_write_text
 
 ALL = "all"
+AGENT = "agent"  # the task whose prompts are steps of episodes (bench/agent.py)
 
 
 def _total(records: list[dict], key: str) -> float | None:
@@ -46,6 +48,42 @@ def record_speedup(records: list[dict], plain: list[dict]) -> dict | None:
     return speedup((r["tokens_per_s"], plain_rate.get(r["prompt_id"])) for r in records)
 
 
+def episode_of(prompt_id: str) -> str:
+    """The episode an agent step belongs to ("agent/HumanEval/12/2" -> "agent/HumanEval/12")."""
+    return prompt_id.rsplit("/", 1)[0]
+
+
+def _episode_rate(steps: list[dict]) -> float | None:
+    """An episode's tokens/s: its steps' tokens over their summed generate_s."""
+    seconds = sum(r["generate_s"] for r in steps)
+    return sum(r["tokens"] for r in steps) / seconds if seconds else None
+
+
+def episodes(records: list[dict]) -> list[dict]:
+    """One row per agent episode and method: each step's speedup, and the whole episode's
+    against plain on the same steps (greedy, same tokens: plain's summed time over the method's)."""
+    steps: dict[tuple[str, str], list[dict]] = {}
+    for r in records:
+        if r["task"] == AGENT:
+            steps.setdefault((episode_of(r["prompt_id"]), r["method"]), []).append(r)
+    rows = []
+    for (episode, method), group in steps.items():
+        rate, plain_rate = _episode_rate(group), _episode_rate(steps.get((episode, "plain"), []))
+        equal = [r["equal_to_plain"] for r in group]
+        rows.append({
+            "episode": episode, "method": method, "steps": len(group), "tokens": sum(r["tokens"] for r in group),
+            "generate_s": sum(r["generate_s"] for r in group), "tokens_per_s": rate, "plain_tokens_per_s": plain_rate,
+            "step_speedups": [r["speedup"] for r in group], "speedup": prompt_speedup(rate, plain_rate),
+            "all_equal_to_plain": None if None in equal else all(equal),
+        })
+    return rows
+
+
+def episode_speedup(rows: list[dict], method: str) -> dict | None:
+    """speedup() over whole episodes (rows of episodes()) of one method; "prompts" counts episodes."""
+    return speedup((e["tokens_per_s"], e["plain_tokens_per_s"]) for e in rows if e["method"] == method)
+
+
 def _rounds_by_source(records: list[dict]) -> dict | None:
     """Rounds per draft source (and plain rounds), summed over records."""
     total: dict[str, int] = {}
@@ -59,7 +97,7 @@ def summarize(records: list[dict]) -> list[dict]:
     """One row per (task, method), plus task "all"; speedup as speedup() gives it."""
     tasks = list(dict.fromkeys(r["task"] for r in records)) + [ALL]
     methods = list(dict.fromkeys(r["method"] for r in records))
-    rows = []
+    per_episode, rows = episodes(records), []
     for task in tasks:
         for method in methods:
             group = [r for r in records if r["method"] == method and task in (ALL, r["task"])]
@@ -69,12 +107,16 @@ def summarize(records: list[dict]) -> list[dict]:
             sp = record_speedup(group, plain) or {}
             speedups = [r["speedup"] for r in group if r["speedup"] is not None]
             tokens, gen = _total(group, "tokens"), _total(group, "generate_s")
+            ep = episode_speedup(per_episode, method) if task in (ALL, AGENT) else None
             rows.append({
                 "task": task, "method": method, "prompts": len(group),
                 "ttft_s": float(np.median([r["ttft_s"] for r in group])),
                 "tokens_per_s": float(np.median([r["tokens_per_s"] for r in group])),
                 "speedup_median": sp.get("median"), "speedup_min": sp.get("min"), "speedup_max": sp.get("max"),
                 "speedup_iqr": [float(q) for q in np.percentile(speedups, [25, 75])] if speedups else None,
+                # The agent task's whole episodes (steps summed); None without any.
+                "episodes": ep and ep["prompts"], "episode_speedup_median": ep and ep["median"],
+                "episode_speedup_min": ep and ep["min"], "episode_speedup_max": ep and ep["max"],
                 # Pooled over the group's tokens, not averaged over prompts.
                 "acceptance": _ratio(_total(group, "accepted"), _total(group, "proposed")),
                 "tokens_per_forward": _ratio(tokens, _total(group, "rounds")),
@@ -117,7 +159,7 @@ def table(rows: list[dict], title: str) -> Table:
     """A markdown-styled table (it prints as valid markdown)."""
     t = Table(title=title, box=box.MARKDOWN, title_justify="left")
     for col in ("task", "method", "n", "TTFT s", "tok/s", "speedup (min-max)", "accept",
-                "tok/fwd", "draft/verify/other %", "n-gram hits", "= plain", "rounds by source %"):
+                "tok/fwd", "draft/verify/other %", "n-gram hits", "= plain", "rounds by source %", "episode speedup"):
         t.add_column(col, justify="left" if col in ("task", "method") else "right")
     for r in rows:
         t.add_row(
@@ -128,6 +170,8 @@ def table(rows: list[dict], title: str) -> Table:
             "n/a" if r["all_equal_to_plain"] is None else "yes" if r["all_equal_to_plain"]
             else f"NO ({len(r['mismatches'])})",
             _shares(r["rounds_by_source"]),
+            "-" if r["episodes"] is None else f"{r['episode_speedup_median']:.2f}x "
+            f"({r['episode_speedup_min']:.2f}-{r['episode_speedup_max']:.2f}, {r['episodes']})",
         )
     return t
 
@@ -149,6 +193,7 @@ def write_results(result: dict, out: Path, console) -> dict[str, Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     result["summary"] = summarize(result["records"])
+    result["episodes"] = episodes(result["records"])
     files = {"json": out / "bench.json", "table": out / "summary.md"}
     atomic_write_text(files["json"], json.dumps(result, indent=1))
     t = table(result["summary"], title_of(result))

@@ -38,7 +38,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from omnidraft_mlx.bench.report import prompt_speedup
-from omnidraft_mlx.bench.usecases import USE_CASES, edit_prompts, file_prompts, multiturn_prompts
+from omnidraft_mlx.bench.agent import agent_prompts
+from omnidraft_mlx.bench.usecases import USE_CASES, edit_prompts, file_prompts, multiturn_prompts, prompt_ids
 from omnidraft_mlx.tasks import TASKS, Prompt, check_task, load_task
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.generate import PlainStats, plain_generate
@@ -46,7 +47,8 @@ from omnidraft_mlx.models.pull import model_home
 from omnidraft_mlx.policy import POLICIES, DraftPolicy, LearnedPolicy, OraclePolicy, PolicyConfig, make_policy
 from omnidraft_mlx.profile import load_head
 from omnidraft_mlx.settings import check_choice, check_range
-from omnidraft_mlx.prompts import encode_prompt
+from omnidraft_mlx.lookup import HistoryIndex
+from omnidraft_mlx.promptcache import PromptCache
 from omnidraft_mlx.drafter import output_head
 from omnidraft_mlx.kvcache import KVSlot, prefill
 from omnidraft_mlx.drafts import SOURCES
@@ -56,7 +58,9 @@ from omnidraft_mlx.speculative import SAMPLING_MODES, SpecConfig, SpecStats, spe
 WARMUP_PROMPT = "Say hello."
 BENCH_POLICIES = (*POLICIES[1:], "oracle")  # adaptive policies to compare; the oracle is a bound
 WARMUP_TOKENS = 4
-BENCH_TASKS = (*TASKS, *USE_CASES)
+ALL_TASKS = (*TASKS, *USE_CASES)  # --task all: the agent task (hours of plain decoding on a CPU) is asked for by name
+BENCH_TASKS = (*ALL_TASKS, "agent")
+SERVED_TASKS = ("agent",)  # our methods decode these as the server does (Serving), the rest from a shared prefill
 # Method families: the drafter alone, lookups alone (context and history), both fused.
 BENCH_SOURCES = {"drafter": ("drafter",), "lookup": ("context", "history"), "fused": SOURCES}
 
@@ -192,6 +196,8 @@ def select_prompts(cfg: BenchConfig, pair) -> list[Prompt]:
             prompts = edit_prompts(cfg.prompts)
         elif task == "multiturn":
             prompts = multiturn_prompts(cfg.prompts, pair, cfg.max_tokens)
+        elif task == "agent":
+            prompts = agent_prompts(cfg.prompts, pair, cfg.max_tokens)
         else:
             prompts = load_task(task, "heldout")
             if cfg.shortest:
@@ -230,6 +236,19 @@ class TargetPrefix:
         return KVSlot(copy.deepcopy(self.slot.cache), list(self.slot.tokens))
 
 
+@dataclass
+class Serving:
+    """What the server keeps across requests, one per method for the run: a prompt cache, and a
+    history index that learns from every reply (a copy of the profile's: the profile stays as it was)."""
+
+    cache: PromptCache
+    history: HistoryIndex
+
+    @classmethod
+    def start(cls, history: HistoryIndex | None) -> "Serving":
+        return cls(PromptCache(), copy.deepcopy(history) if history is not None else HistoryIndex())
+
+
 def _run_plain(pair, target: KVSlot, target_ids: list[int], max_tokens: int, temp: float, seed: int) -> dict:
     stats = PlainStats()
     out = list(plain_generate(pair.target, pair.target_tok, target_ids[len(target.tokens) :], stats, temp=temp,
@@ -242,15 +261,21 @@ def _run_plain(pair, target: KVSlot, target_ids: list[int], max_tokens: int, tem
     }
 
 
-def _run_ours(pair, target: KVSlot, draft_ids, target_ids, method: Method, run: Decoding, policy: DraftPolicy,
-              scheduler: Scheduler | None) -> dict:
+def _run_ours(pair, target: KVSlot | None, draft_ids, target_ids, method: Method, run: Decoding, policy: DraftPolicy,
+              scheduler: Scheduler | None, serving: Serving | None = None) -> dict:
+    """Decoded from the target's prefix slot, or (with `serving`) on the server's path: from the method's
+    prompt cache, with its history index learning from the reply."""
     stats = SpecStats()
     cfg = SpecConfig(k=method.k, max_tokens=run.max_tokens, translation=method.translation, sampling=method.sampling,
                      temp=run.temp, seed=run.seed, sources=method.sources, guard=method.guard)
     out = []
-    # The history index is read, never learned into: runs stay reproducible.
-    for new, _ in speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy, history=run.history,
-                                       target_slot=target, learn_history=False, scheduler=scheduler):
+    if serving is None:  # the profile's history index is read, never learned into: runs stay reproducible
+        rounds = speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy, history=run.history,
+                                      target_slot=target, learn_history=False, scheduler=scheduler)
+    else:
+        rounds = serving.cache.generate(pair, draft_ids, target_ids, cfg, stats, policy, history=serving.history,
+                                        scheduler=scheduler)
+    for new, _ in rounds:
         out += new
         if isinstance(policy, OraclePolicy):
             policy.advance(new)
@@ -261,7 +286,7 @@ def _run_ours(pair, target: KVSlot, draft_ids, target_ids, method: Method, run: 
         "draft_s": stats.draft_s, "verify_s": stats.verify_s, "other_s": stats.other_s,
         "draft_forwards": stats.draft_forwards, "ngram_hits": stats.ngram_hits,
         "round_ends": dict(stats.round_ends), "drafted": stats.drafted, "by_source": stats.by_source,
-        "padded": stats.padded, "pad_held": stats.pad_held,
+        "padded": stats.padded, "pad_held": stats.pad_held, "cached_tokens": stats.cached_tokens,
     }
 
 
@@ -321,18 +346,21 @@ def first_mismatch(pair, target_ids: list[int], reference: list[int], output: li
 
 
 def run_one(pair, method: Method, prompt: Prompt, run: Decoding, policy: DraftPolicy | None = None,
-            scheduler: Scheduler | None = None, prefix: TargetPrefix | None = None) -> dict:
+            scheduler: Scheduler | None = None, prefix: TargetPrefix | None = None,
+            serving: Serving | None = None) -> dict:
     """One decode of prompt by method (its policy and scheduler carry over from its earlier decodes),
-    from the target's prefill of the prompt (made here if not given)."""
-    messages = prompt.messages()
-    target_ids = encode_prompt(pair.target_tok, messages)
-    prefix = prefix or TargetPrefix.of(pair, target_ids)
-    if method.kind == "plain":
+    from the target's prefill of the prompt (made here if not given), or for our methods given
+    `serving`, from the prompt cache (prompt_s 0: its prefill is the method's own)."""
+    draft_ids, target_ids = prompt_ids(pair, prompt)
+    served = serving is not None and method.kind == "ours"
+    prefix = TargetPrefix(None, 0.0) if served else prefix or TargetPrefix.of(pair, target_ids)
+    if served:
+        result = _run_ours(pair, None, draft_ids, target_ids, method, run, policy, scheduler, serving)
+    elif method.kind == "plain":
         result = _run_plain(pair, prefix.copy(), target_ids, run.max_tokens, run.temp, run.seed)
     elif method.kind == "mlxlm":
         result = _run_mlxlm(pair, prefix.copy(), target_ids, method.k, run.max_tokens)
     else:
-        draft_ids = encode_prompt(pair.draft_tok, messages)
         result = _run_ours(pair, prefix.copy(), draft_ids, target_ids, method, run, policy, scheduler)
     result["prompt_s"], result["ttft_s"] = prefix.seconds, prefix.seconds + result["ttft_s"]
     tokens = len(result["output"])
@@ -445,6 +473,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         run_one(pair, method, warm, replace(run, max_tokens=WARMUP_TOKENS), policies.get(method.name))
     # One scheduler per method for the whole run, as a chat session keeps one (from after the warm-up).
     schedulers = {m.name: Scheduler() for m in methods if m.kind == "ours"}
+    served = any(p.task in SERVED_TASKS for p in prompts)
+    servings = {m.name: Serving.start(history) for m in methods if m.kind == "ours" and served}
 
     task = progress.add_task("bench", total=len(prompts) * len(methods)) if progress else None
     records, start = [], time.perf_counter()
@@ -452,7 +482,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         if cfg.time_limit_s is not None and time.perf_counter() - start > cfg.time_limit_s:
             prompts = prompts[:i]  # out of time: report the prompts every method finished
             break
-        target_ids = encode_prompt(pair.target_tok, prompt.messages())
+        target_ids = prompt_ids(pair, prompt)[1]
         done, prefix = {}, TargetPrefix.of(pair, target_ids)
         # A seed per prompt: with one seed, every prompt's replies would share their random draws.
         prompt_run = replace(run, seed=cfg.seed + i)
@@ -463,7 +493,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
             if isinstance(policy, OraclePolicy):  # show it the reply (plain's, or decoded now, untimed)
                 plain = done.get("plain") or run_one(pair, methods[0], prompt, prompt_run, prefix=prefix)
                 policy.start(plain["output"], pair.vmap)
-            record = run_one(pair, method, prompt, prompt_run, policy, schedulers.get(method.name), prefix)
+            serving = servings.get(method.name) if prompt.task in SERVED_TASKS else None
+            record = run_one(pair, method, prompt, prompt_run, policy, schedulers.get(method.name), prefix, serving)
             record["order"] = order
             record["load_avg_1m"] = os.getloadavg()[0]  # other work on the machine, for drift
             done[method.name] = record

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.generate import PlainStats, plain_generate
-from omnidraft_mlx.prompts import encode_prompt
+from omnidraft_mlx.serve_tools import ToolPlan, encode
 from omnidraft_mlx.tasks import Prompt, load_task
 
 USE_CASES = ("edit", "multiturn")
@@ -48,8 +48,14 @@ def edit_prompts(n: int) -> list[Prompt]:
     return prompts
 
 
-def _greedy_reply(pair, messages: list[dict], max_tokens: int) -> str:
-    ids = encode_prompt(pair.target_tok, messages)
+def prompt_ids(pair, prompt: Prompt) -> tuple[list[int], list[int]]:
+    """(draft ids, target ids) of a prompt, encoded as the server encodes a request (with its tools)."""
+    return encode(pair, prompt.messages(), False, ToolPlan(list(prompt.tools) or None))
+
+
+def greedy_reply(pair, prompt: Prompt, max_tokens: int) -> str:
+    """The target's plain greedy reply: what later turns of a scripted conversation build on."""
+    ids = prompt_ids(pair, prompt)[1]
     out = list(plain_generate(pair.target, pair.target_tok, ids, PlainStats(), max_tokens=max_tokens))
     return pair.target_tok.decode(out)
 
@@ -65,8 +71,8 @@ def multiturn_prompts(n: int, pair, max_tokens: int) -> list[Prompt]:
             if turn > 1:
                 prompts.append(Prompt(f"multiturn/{first.id}/{turn}", "multiturn", text, context=tuple(context)))
             if turn < 3:
-                context += [{"role": "user", "content": text},
-                            {"role": "assistant", "content": _greedy_reply(pair, [*context, {"role": "user", "content": text}], max_tokens)}]
+                reply = greedy_reply(pair, Prompt(first.id, first.task, text, context=tuple(context)), max_tokens)
+                context += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
     return prompts[:n]
 
 

@@ -87,7 +87,7 @@ def _progress():
 def bench(
     draft: str = options.DRAFT,
     target: str = options.TARGET,
-    task: Optional[str] = typer.Option(None, "--task", help="code, math, chat, edit, multiturn, comma-separated, or all (the default, unless --prompts-file is given)."),
+    task: Optional[str] = typer.Option(None, "--task", help="complete, write, math, chat, edit, multiturn, agent, comma-separated, or all (the default, unless --prompts-file is given)."),
     source: str = typer.Option("drafter", "--source", help="Method families, comma-separated: drafter (the model drafter alone), lookup (context and history lookups alone), fused (both, picked per round)."),
     guard: str = typer.Option("on", "--guard", help="lookup and fused methods: on, off (suffix -noguard) or on,off."),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="Also your own prompts: JSONL, {\"prompt\": ...} or {\"messages\": [...]} per line (task \"file\")."),
@@ -99,7 +99,7 @@ def bench(
     translation: str = typer.Option("text", "--translation", help="Draft translation(s): text, tokens or text,tokens."),
     policy: str = typer.Option("", "--policy", help="Adaptive draft-length policies to add: confidence,heuristic,learned; oracle (knows the reply: the bound for any policy)."),
     gamma: str = typer.Option("auto", "--gamma", help="The learned policy's stopping threshold(s), comma-separated (one method each); auto: from measured costs."),
-    prompts: Optional[int] = typer.Option(None, "--prompts", help="Held-out prompts per task (default 6; --quick: 1)."),
+    prompts: Optional[int] = typer.Option(None, "--prompts", help="Held-out prompts per task, episodes for agent (default 6; --quick: 1)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Tokens per generation (default 96; --quick: 32)."),
     quick: bool = typer.Option(False, "--quick", help="A few short prompts: a check in minutes, not a measurement."),
     no_profile: bool = typer.Option(False, "--no-profile", help="Ignore the pair's profile (adapter, n-gram cache): start from the bare drafter."),
@@ -146,9 +146,9 @@ def bench(
 
 def _tasks(task: Optional[str], prompts_file: Optional[Path]) -> list[str]:
     """The --task list: every benchmark task by default, none by default beside --prompts-file."""
-    from omnidraft_mlx.bench.run import BENCH_TASKS
+    from omnidraft_mlx.bench.run import ALL_TASKS
 
-    return list(BENCH_TASKS) if (task or ("" if prompts_file else "all")) == "all" else _names(task or "")
+    return list(ALL_TASKS) if (task or ("" if prompts_file else "all")) == "all" else _names(task or "")
 
 
 def _forward_cost(models: str, out: Path) -> None:

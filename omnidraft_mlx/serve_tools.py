@@ -62,15 +62,21 @@ def plan_tools(req: ChatRequest, tokenizer) -> ToolPlan:
         tools = [t for t in tools if t["function"]["name"] == choice.function.name]
         if not tools:
             raise ApiError(400, f"tool_choice: no function '{choice.function.name}' in `tools`", "tool_choice")
-    if not getattr(tokenizer, "has_tool_calling", False):
-        if choice != "auto":
-            raise ApiError(400, "tool_choice: this model has no tool-call format known to mlx-lm, so a call "
-                                "cannot be required of it: leave tool_choice out", "tool_choice")
-        return ToolPlan(tools, bare=True)  # the template may still show them; JSON calls are all it can find
-    fmt = ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools)
     if choice == "auto":
-        return ToolPlan(tools, fmt, bare=True)
+        return auto_plan(tools, tokenizer)
+    if not getattr(tokenizer, "has_tool_calling", False):
+        raise ApiError(400, "tool_choice: this model has no tool-call format known to mlx-lm, so a call "
+                            "cannot be required of it: leave tool_choice out", "tool_choice")
+    fmt = ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools)
     return ToolPlan(tools, fmt, opening(fmt, None if choice == "required" else tools[0]))
+
+
+def auto_plan(tools: list[dict], tokenizer) -> ToolPlan:
+    """tool_choice "auto": calls in the target's own format (if mlx-lm knows it) or bare JSON calls."""
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return ToolPlan(tools, bare=True)  # the template may still show them; JSON calls are all it can find
+    return ToolPlan(tools, ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser,
+                                      tools), bare=True)
 
 
 def opening(fmt: ToolFormat, tool: dict | None) -> str:

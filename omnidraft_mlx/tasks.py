@@ -67,6 +67,7 @@ class Prompt:
     text: str  # the user message, ready for the chat template
     reference: str | None = None  # the dataset's own answer (teacher-forced adaptation)
     context: tuple[dict, ...] = ()  # earlier messages of a multi-turn conversation
+    tools: tuple[dict, ...] = ()  # tools offered (OpenAI format): the prompt renders with them
 
     def messages(self) -> list[dict]:
         """The conversation to answer: the earlier messages, then this user message."""
@@ -96,11 +97,18 @@ def _worked_solution(answer: str) -> str:
     return f"{steps.strip()}\nThe answer is {final.strip()}."
 
 
+@lru_cache(maxsize=None)
+def humaneval() -> dict[str, dict]:
+    """HumanEval's rows by task id: prompt, canonical_solution, and the tests (test, entry_point)
+    that the agent bench runs on the model's code."""
+    rows = _jsonl(gzip.decompress(read_data_file(DATA["complete"])).decode("utf-8"))
+    return {r["task_id"]: r for r in rows}
+
+
 def _all_prompts(task: str) -> list[Prompt]:
     if task == "complete":
-        rows = _jsonl(gzip.decompress(read_data_file(DATA["complete"])).decode("utf-8"))
         return [Prompt(r["task_id"], task, CODE_INSTRUCTION.format(prompt=r["prompt"]),
-                       f"```python\n{r['prompt']}{r['canonical_solution']}```") for r in rows]
+                       f"```python\n{r['prompt']}{r['canonical_solution']}```") for r in humaneval().values()]
     if task == "math":
         rows = _jsonl(read_data_file(DATA["math"]).decode("utf-8"))
         return [Prompt(f"gsm8k/{i}", task, r["question"], _worked_solution(r["answer"])) for i, r in enumerate(rows)]
