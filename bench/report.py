@@ -120,6 +120,9 @@ def summarize(records: list[dict]) -> list[dict]:
                 # Pooled over the group's tokens, not averaged over prompts.
                 "acceptance": _ratio(_total(group, "accepted"), _total(group, "proposed")),
                 "tokens_per_forward": _ratio(tokens, _total(group, "rounds")),
+                # Token trees: nodes verified per target forward, and the accepted tokens branches held.
+                "nodes_per_round": _ratio(_total(group, "proposed"), _total(group, "rounds")),
+                "branch_held": _total(group, "branch_held"),
                 "draft_ms_per_token": _ratio(_total(group, "draft_s"), tokens / 1000 if tokens else None),
                 "verify_ms_per_token": _ratio(_total(group, "verify_s"), tokens / 1000 if tokens else None),
                 "other_ms_per_token": _ratio(_total(group, "other_s"), tokens / 1000 if tokens else None),
@@ -159,13 +162,14 @@ def table(rows: list[dict], title: str) -> Table:
     """A markdown-styled table (it prints as valid markdown)."""
     t = Table(title=title, box=box.MARKDOWN, title_justify="left")
     for col in ("task", "method", "n", "TTFT s", "tok/s", "speedup (min-max)", "accept",
-                "tok/fwd", "draft/verify/other %", "n-gram hits", "= plain", "rounds by source %", "episode speedup"):
+                "tok/fwd", "nodes/fwd", "held on branches", "draft/verify/other %", "n-gram hits", "= plain", "rounds by source %", "episode speedup"):
         t.add_column(col, justify="left" if col in ("task", "method") else "right")
     for r in rows:
         t.add_row(
             r["task"], r["method"], str(r["prompts"]), f"{r['ttft_s']:.2f}", f"{r['tokens_per_s']:.2f}",
             f"{_fmt(r['speedup_median'], '.2f')}x ({_fmt(r['speedup_min'], '.2f')}-{_fmt(r['speedup_max'], '.2f')})",
-            _fmt(r["acceptance"], ".2f"), _fmt(r["tokens_per_forward"], ".2f"), _split(r),
+            _fmt(r["acceptance"], ".2f"), _fmt(r["tokens_per_forward"], ".2f"),
+            _fmt(r["nodes_per_round"], ".1f"), _fmt(r["branch_held"], ".0f"), _split(r),
             _fmt(r["ngram_hits"], ".0f"),
             "n/a" if r["all_equal_to_plain"] is None else "yes" if r["all_equal_to_plain"]
             else f"NO ({len(r['mismatches'])})",

@@ -83,6 +83,7 @@ class BenchConfig:
     gammas: list[float | None] = field(default_factory=lambda: [None])  # the learned policy's thresholds (None: auto)
     sources: list[str] = field(default_factory=lambda: ["drafter"])  # BENCH_SOURCES: one family of methods each
     guards: list[bool] = field(default_factory=lambda: [True])  # lookup and fused methods: with the guard, without
+    trees: list[bool] = field(default_factory=lambda: [True])  # drafter and fused methods: token trees (-tree), chains
     temp: float = 0.0  # > 0: sampled decoding (plain samples alike; outputs compared by distribution)
     seed: int = 0  # prompt i samples with seed + i (every method alike)
     prompts_file: str | None = None  # the user's prompts (JSONL), task "file"
@@ -138,11 +139,13 @@ class Method:
     gamma: float | None = None  # learned policy only; None = auto
     sources: tuple[str, ...] = ("drafter",)
     guard: bool = False
+    tree: bool = False
 
 
 def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
     """plain, then per source family: the drafter alone as `ours-*` (never guarded: the
-    baseline), `lookup` and `fused-*` (with and/or without the guard: `-noguard`)."""
+    baseline), `lookup` and `fused-*` (with and/or without the guard: `-noguard`); the drafter's
+    as token trees (`-tree`) and/or chains."""
     # How a draft becomes target tokens: greedy by text or by tokens; sampled exactly or with
     # n-gram merges. A same-vocabulary pair needs neither: one variant.
     if cfg.temp == 0:
@@ -167,8 +170,10 @@ def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
                 methods.append(Method(f"lookup{tag}", "ours", max(cfg.ks), sources=sources, guard=guard))
                 continue
             prefix = "ours" if family == "drafter" else "fused"
-            methods += [Method(f"{prefix}-{name}{tag}", "ours", k, policy=p, gamma=g, sources=sources, guard=guard, **fields)
-                        for name, k, fields, p, g in drafters if family == "drafter" or p != "oracle"]
+            methods += [Method(f"{prefix}-{name}{tag}{'-tree' if tree else ''}", "ours", k, policy=p, gamma=g,
+                               sources=sources, guard=guard, tree=tree, **fields)
+                        for name, k, fields, p, g in drafters if family == "drafter" or p != "oracle"
+                        for tree in cfg.trees]
     if same_vocab and cfg.mlx_lm:
         methods += [Method(f"mlxlm-k{k}", "mlxlm", k) for k in cfg.ks]
     return methods
@@ -267,7 +272,8 @@ def _run_ours(pair, target: KVSlot | None, draft_ids, target_ids, method: Method
     prompt cache, with its history index learning from the reply."""
     stats = SpecStats()
     cfg = SpecConfig(k=method.k, max_tokens=run.max_tokens, translation=method.translation, sampling=method.sampling,
-                     temp=run.temp, seed=run.seed, sources=method.sources, guard=method.guard)
+                     temp=run.temp, seed=run.seed, sources=method.sources, guard=method.guard,
+                     tree=method.tree)
     out = []
     if serving is None:  # the profile's history index is read, never learned into: runs stay reproducible
         rounds = speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy, history=run.history,
@@ -282,7 +288,8 @@ def _run_ours(pair, target: KVSlot | None, draft_ids, target_ids, method: Method
     return {
         "output": out, "ttft_s": stats.prefill_s, "generate_s": stats.generate_s,
         "tokens_per_s": stats.tokens_per_s, "rounds": stats.rounds,
-        "proposed": stats.proposed, "accepted": stats.accepted,
+        "proposed": stats.proposed, "accepted": stats.accepted, "branched": stats.branched,
+        "branch_held": stats.branch_held,
         "draft_s": stats.draft_s, "verify_s": stats.verify_s, "other_s": stats.other_s,
         "draft_forwards": stats.draft_forwards, "ngram_hits": stats.ngram_hits,
         "round_ends": dict(stats.round_ends), "drafted": stats.drafted, "by_source": stats.by_source,
@@ -369,7 +376,8 @@ def run_one(pair, method: Method, prompt: Prompt, run: Decoding, policy: DraftPo
         "k": method.k, "translation": method.translation, "sampling": method.sampling, "policy": method.policy,
         "prompt_tokens": len(target_ids), "seed": run.seed if run.temp else None,
         "tokens": tokens, "proposed": None, "accepted": None, "draft_forwards": None,
-        "ngram_hits": None, "round_ends": None, "by_source": None, **result,
+        "ngram_hits": None, "round_ends": None, "by_source": None, "branched": None, "branch_held": None,
+        "tree": method.tree, **result,
     }
     record["acceptance"] = record["accepted"] / record["proposed"] if record["proposed"] else None
     record["tokens_per_forward"] = tokens / record["rounds"] if record["rounds"] else None

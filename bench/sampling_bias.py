@@ -62,15 +62,15 @@ def exact_sequence_probs(model, prompt_ids, eos, length, temp, top_p, min_prob=1
 
 
 def sample_sequences(pair, prompt, mode, n, length, temp, top_p, k=3, sources="drafter",
-                     scheduler=None) -> tuple[Counter, SpecStats]:
-    """n sampled continuations of prompt, drafted by `sources` (every round, no guard);
-    `scheduler`: makes each one's Scheduler (None: the default)."""
+                     scheduler=None, tree=True) -> tuple[Counter, SpecStats]:
+    """n sampled continuations of prompt, drafted by `sources` (every round, no guard), with the
+    drafter's branches or without; `scheduler`: makes each one's Scheduler (None: the default)."""
     msgs = user_messages(prompt)
     dp, tp = encode_prompt(pair.draft_tok, msgs, True), encode_prompt(pair.target_tok, msgs, True)
     counts, stats = Counter(), SpecStats()
     for seed in range(n):
         cfg = SpecConfig(k=k, temp=temp, top_p=top_p, max_tokens=length, sampling=mode, seed=seed,
-                         sources=sources, guard=False)
+                         sources=sources, guard=False, tree=tree)
         counts[tuple(t for new, _ in speculative_generate(pair, dp, tp, cfg, stats,
                                                                      scheduler=scheduler and scheduler())
                          for t in new)] += 1

@@ -29,9 +29,9 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _on_off(text: str) -> bool:
+def _on_off(text: str, flag: str) -> bool:
     if text not in ("on", "off"):
-        raise OmniDraftError(f"--guard takes on, off or on,off (got '{text}')")
+        raise OmniDraftError(f"{flag} takes on, off or on,off (got '{text}')")
     return text == "on"
 
 
@@ -87,9 +87,10 @@ def _progress():
 def bench(
     draft: str = options.DRAFT,
     target: str = options.TARGET,
-    task: Optional[str] = typer.Option(None, "--task", help="complete, write, math, chat, edit, multiturn, agent, comma-separated, or all (the default, unless --prompts-file is given)."),
+    task: Optional[str] = typer.Option(None, "--task", help="complete, write, math, chat, edit, multiturn, agent, comma-separated, or all (every task but agent; the default, unless --prompts-file is given)."),
     source: str = typer.Option("drafter", "--source", help="Method families, comma-separated: drafter (the model drafter alone), lookup (context and history lookups alone), fused (both, picked per round)."),
     guard: str = typer.Option("on", "--guard", help="lookup and fused methods: on, off (suffix -noguard) or on,off."),
+    tree: str = typer.Option("on", "--tree", help="drafter and fused methods: token trees on (suffix -tree), off or on,off."),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="Also your own prompts: JSONL, {\"prompt\": ...} or {\"messages\": [...]} per line (task \"file\")."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature for every method, plain included (0 = greedy; outputs then compared by distribution, not identity)."),
     seed: int = typer.Option(0, "--seed", help="Random seed for sampled runs (prompt i: seed + i)."),
@@ -128,7 +129,8 @@ def bench(
 
     cfg = BenchConfig(
         draft=draft, target=target, tasks=_tasks(task, prompts_file),
-        sources=_names(source), guards=[_on_off(g) for g in _names(guard)], temp=temp, seed=seed,
+        sources=_names(source), guards=[_on_off(g, "--guard") for g in _names(guard)],
+        trees=[_on_off(t, "--tree") for t in _names(tree)], temp=temp, seed=seed,
         prompts_file=str(prompts_file) if prompts_file else None, fixed=fixed,
         ks=_integers(k, "--k"), translations=_names(translation), samplings=_names(sampling),
         prompts=prompts or (QUICK_PROMPTS if quick else 6),

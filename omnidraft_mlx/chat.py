@@ -45,6 +45,7 @@ class ChatConfig:
     adapt_every: int = 4  # replies gathered per drafter update
     sources: tuple[str, ...] = SOURCES  # draft sources to choose from each round
     guard: bool = True  # decode plainly while no source is expected to pay
+    tree: bool = True  # verify the drafter's next-best tokens beside its chain where that pays
 
     def __post_init__(self):
         self.sources = check_sources(self.sources)
@@ -227,7 +228,7 @@ class ChatSession:
         """Yield (text, drafted) per accepted target token, as verification commits them."""
         cfg = SpecConfig(k=self.cfg.k, temp=self.cfg.temp, top_p=self.cfg.top_p,
                          max_tokens=reply.max_tokens, seed=self.cfg.seed + self.replies,
-                         sources=self.cfg.sources, guard=self.cfg.guard)
+                         sources=self.cfg.sources, guard=self.cfg.guard, tree=self.cfg.tree)
         out = TextStream(self.pair.vmap.target_bytes)
         start = time.perf_counter()
         try:

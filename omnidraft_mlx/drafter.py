@@ -27,6 +27,9 @@ from omnidraft_mlx.policy import DraftPolicy
 from omnidraft_mlx.translate import complete_utf8, translate_text, translate_tokens
 
 
+BRANCHES = 3  # next-best drafter tokens per drafted position offered as branches (trees)
+
+
 def output_head(model):
     """The model's hidden -> logits projection (tied embeddings or lm_head)."""
     head = getattr(model, "lm_head", None)
@@ -119,6 +122,7 @@ class DrafterSource(DraftSource):
         self.ngrams = None if vmap.same_vocab or exact else pair.ngrams
         # Exact sampling drafts only from the vocabulary intersection, renormalized (TLI).
         self.draft_mask = None if self.greedy or self.ngrams is not None else vmap.draft_to_target >= 0
+        self.tree = cfg.tree
         self.state = DraftState(pair, draft_prompt, cfg.lookbehind, slot)
         self.in_step = 0  # accepted tokens after which the next sync is this source's usual one
         policy.begin_reply()
@@ -130,13 +134,11 @@ class DrafterSource(DraftSource):
     def propose(self, ctx: Context, limit: int, guess: list[int] = ()) -> Draft:
         forwards, catch_up = self.state.forwards, len(ctx.committed) != self.in_step
         logits, hidden = self.state.sync(bytes(ctx.text), ctx.committed)
-        ids, probs, feats = self._draft(logits, hidden, min(limit, self.policy.max_len), ctx.rng,
-                                        as_draft_tokens(guess, self.pair.vmap, self.pair.draft_tok))
-        if self.by_text:
-            tokens, spans = translate_text(ids, self.pair.vmap, self.pair.target_tok), None
-        else:
-            tr = translate_tokens(ids, self.pair.vmap, self.ngrams)
-            tokens, spans, ids = tr.target_ids, tr.spans, ids[: tr.consumed]
+        ids, probs, feats, seen = self._draft(logits, hidden, min(limit, self.policy.max_len), ctx.rng,
+                                              as_draft_tokens(guess, self.pair.vmap, self.pair.draft_tok))
+        tokens, spans, used = self._translate(ids)
+        branches, expected = self._branches(ids, seen, used) if self.tree else ([], 0.0)
+        ids = ids[:used]
 
         def q(n: int, t: int) -> np.ndarray:
             return proposal_dist(self.pair, probs, ids, spans[n], t)
@@ -152,7 +154,28 @@ class DrafterSource(DraftSource):
 
         return Draft(tokens, self.name, None if self.greedy else q, settle, drafted=len(ids),
                      forwards=self.state.forwards - forwards, merged=[e - s > 1 for s, e in spans or []],
-                     catch_up=catch_up)
+                     catch_up=catch_up, branches=branches, expected=expected)
+
+    def _translate(self, ids: list[int]) -> tuple[list[int], list | None, int]:
+        """Target tokens for drafted ids, the draft tokens behind each (tokens translation), and
+        how many of the ids they cover."""
+        if self.by_text:
+            return translate_text(ids, self.pair.vmap, self.pair.target_tok), None, len(ids)
+        tr = translate_tokens(ids, self.pair.vmap, self.ngrams)
+        return tr.target_ids, tr.spans, tr.consumed
+
+    def _branches(self, ids: list[int], seen: list[np.ndarray], used: int) -> tuple[list, float]:
+        """The drafter's next-best tokens at each drafted position as branches (the draft up to
+        there, then that token, in target tokens), each scored by the drafter's chance that the
+        target gets there and takes it; and the tokens of the chain it expects to be accepted."""
+        branches, reach, expected = [], 1.0, 0.0
+        for i, probs in enumerate(seen[:used]):
+            for alt in np.argpartition(-probs, BRANCHES)[: BRANCHES + 1].tolist():
+                if alt != ids[i] and probs[alt] > 0:
+                    branches.append((reach * float(probs[alt]), self._translate(ids[:i] + [alt])[0]))
+            reach *= float(probs[ids[i]])
+            expected += reach
+        return branches, expected
 
     def _read(self, ids: list[int], guess: list[int], ahead: list) -> tuple[mx.array, mx.array]:
         """Logits and hidden state after the draft so far: while it follows the guess, from one
@@ -169,9 +192,10 @@ class DrafterSource(DraftSource):
         return self.state.feed(ids[-1:])
 
     def _draft(self, logits, hidden, limit: int, rng, guess: list[int] = ()):
-        """Up to `limit` draft tokens: ids, their distributions (sampling) and head features."""
+        """Up to `limit` draft tokens: ids, their distributions (sampling), head features, and (trees)
+        the drafter's distribution at each position."""
         vmap, policy = self.pair.vmap, self.policy
-        ids, probs, feats = [], [], []
+        ids, probs, feats, seen = [], [], [], []
         guess, ahead = guess[: limit - 1], []  # the last drafted token needs no logits after it
         policy.begin_round()
         for i in range(limit):
@@ -184,6 +208,8 @@ class DrafterSource(DraftSource):
                 d = int(rng.choice(len(q), p=q))
             f = policy.features_of(hidden, logits, d, i) if policy.needs_features else None
             ids.append(d), probs.append(q), feats.append(f)
+            if self.tree:
+                seen.append(softmax(logits, 1.0)[: len(vmap.draft_to_target)] if q is None else q)
             if d in vmap.draft_eos:
                 break
             if self.by_text and vmap.draft_bytes[d] is None:
@@ -198,4 +224,4 @@ class DrafterSource(DraftSource):
             if i == limit - 1 or not policy.wants_more(logits, d, f, forward=not read):
                 break
             logits, hidden = self._read(ids, guess, ahead)
-        return ids, probs, feats
+        return ids, probs, feats, seen

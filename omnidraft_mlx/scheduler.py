@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from omnidraft_mlx.align import common_prefix
 from omnidraft_mlx.drafts import PLAIN, Context, Draft
 from omnidraft_mlx.fit import VerifyCost
-from omnidraft_mlx.widths import verify_costs
+from omnidraft_mlx.tree import TokenTree
+from omnidraft_mlx.widths import MOST, verify_costs
 
 
 @dataclass
@@ -150,7 +151,9 @@ class Scheduler:
             draft = Draft([], PLAIN)
         else:
             draft = choice if isinstance(choice, Draft) else choice.propose(ctx, limit, free[guess].tokens if guess else [])
-        return self._pad(draft, ctx, limit - 1)
+        draft = self._pad(draft, ctx, limit - 1)
+        self._branch(draft)
+        return draft
 
     def _pad(self, draft: Draft, ctx: Context, most: int) -> Draft:
         """The draft padded with looked-up tokens to the length that verifies fastest, where that
@@ -162,6 +165,22 @@ class Scheduler:
                 draft.tokens, draft.padding = draft.tokens + extra, len(extra)
                 break
         return draft
+
+    def _branch(self, draft: Draft) -> None:
+        """Keep the draft's branches, most likely first, while each pays for the width it adds:
+        expected tokens (the draft's own, its branches', the target's) per second of verifying."""
+        tree = TokenTree.of(draft.tokens)
+        tokens, seconds = draft.expected + 1, self.verify.seconds(len(draft.tokens))
+        kept = []
+        for score, path in sorted(draft.branches, key=lambda b: -b[0]):
+            width = len(tree.tokens) + tree.new_nodes(path)
+            cost = self.verify.seconds(width) if len(tree.tokens) < width <= MOST else None
+            if cost is None or seconds is None or (tokens + score) * seconds < tokens * cost:
+                continue
+            tree.add(path)
+            kept.append((score, path))
+            tokens, seconds = tokens + score, cost
+        draft.branches = kept
 
     def settle(self, draft: Draft, accepted: int, timing: dict, width: int) -> None:
         """Learn from a verified round (`accepted` of the draft's own tokens, `width` tokens verified):

@@ -81,7 +81,7 @@ class Decoder:
         seed = req.seed if req.seed is not None else (secrets.randbits(31) if req.temperature > 0 else 0)
         spec = SpecConfig(k=cfg.policy.k, temp=req.temperature, top_p=req.top_p, seed=seed,
                           max_tokens=min(max_tokens, room) if room is not None else max_tokens,
-                          sources=cfg.sources, guard=cfg.guard)
+                          sources=cfg.sources, guard=cfg.guard, tree=cfg.tree)
         logprobs = (req.top_logprobs or 0) if chat and req.logprobs else None
         return Job(draft_ids, target_ids, spec, stop_strings(req), loop, asyncio.Queue(), tools, logprobs)
 

@@ -110,12 +110,13 @@ def test_bench_cross_vocab_end_to_end(tiny_dirs, home, tmp_path):
 
     out = tmp_path / "out"
     r = invoke("--draft", draft, "--target", target, "--task", ",".join(TASKS), "--k", "2,3",
-               "--translation", "text,tokens", "--prompts", "2", "--max-tokens", "12", "--out", str(out))
+               "--translation", "text,tokens", "--tree", "on,off", "--prompts", "2", "--max-tokens", "12", "--out", str(out))
     assert r.exit_code == 0, r.output
     for name in ("bench.json", "summary.md", "speedup.png", "k_sweep.png", "time_split.png"):
         assert (out / name).stat().st_size > 0
     result = json.loads((out / "bench.json").read_text())
-    check_records(result, ["plain", "ours-k2", "ours-k2-tokens", "ours-k3", "ours-k3-tokens"])
+    check_records(result, ["plain", "ours-k2-tree", "ours-k2", "ours-k2-tokens-tree", "ours-k2-tokens", "ours-k3-tree",
+                           "ours-k3", "ours-k3-tokens-tree", "ours-k3-tokens"])
     assert len(result["config"]["prompt_ids"]) == 2 * len(TASKS)
     assert [load_task(t, "heldout")[0].id for t in TASKS] == result["config"]["prompt_ids"][: len(TASKS)]
     assert result["config"]["ngram_cache_at_start"] == 1
@@ -127,7 +128,11 @@ def test_bench_cross_vocab_end_to_end(tiny_dirs, home, tmp_path):
     assert sizes == sorted(sizes) and sizes[0] >= 1
     env = result["environment"]
     assert env["blas"] and env["mlx"] and env["mlx_lm"] and env["models"]["target"]["name"] == target
-    assert "| ours-k2-tokens |" in (out / "summary.md").read_text()
+    assert re.search(r"\| ours-k2-tokens +\|", (out / "summary.md").read_text())
+    # The tree methods verified trees and the chains did not; both equal plain (check_records).
+    by_method = {m: [r for r in result["records"] if r["method"] == m] for m in ("ours-k2-tree", "ours-k2")}
+    assert sum(r["branched"] for r in by_method["ours-k2-tree"]) > 0
+    assert sum(r["branched"] for r in by_method["ours-k2"]) == 0
 
 
 def test_bench_compares_sources_on_use_cases_and_user_prompts(tiny_dirs, home, tmp_path):
@@ -143,7 +148,7 @@ def test_bench_compares_sources_on_use_cases_and_user_prompts(tiny_dirs, home, t
                "--prompts", "2", "--max-tokens", "16", "--out", str(out))
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
-    check_records(result, ["plain", "ours-k3", "lookup", "lookup-noguard", "fused-k3", "fused-k3-noguard"])
+    check_records(result, ["plain", "ours-k3-tree", "lookup", "lookup-noguard", "fused-k3-tree", "fused-k3-noguard-tree"])
     ids = result["config"]["prompt_ids"]
     assert len(ids) == 5 and ids[0].startswith("edit/HumanEval/") and ids[1].endswith("/2") and ids[2] == "file/1"
     multiturn = next(r for r in result["records"] if r["task"] == "multiturn" and r["method"] == "plain")
@@ -159,10 +164,10 @@ def test_bench_sampled_runs_compare_by_distribution(tiny_dirs, home, tmp_path):
                "--sampling", "exact,omnidraft", "--max-tokens", "12", "--out", str(out))
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
-    assert {r["method"] for r in result["records"]} == {"plain", "ours-k3", "ours-k3-omnidraft", "fused-k3",
-                                                        "fused-k3-omnidraft"}
+    assert {r["method"] for r in result["records"]} == {"plain", "ours-k3-tree", "ours-k3-omnidraft-tree",
+                                                        "fused-k3-tree", "fused-k3-omnidraft-tree"}
     modes = {m["name"]: m["sampling"] for m in result["config"]["methods"]}
-    assert modes["ours-k3"] == "exact" and modes["fused-k3-omnidraft"] == "omnidraft"
+    assert modes["ours-k3-tree"] == "exact" and modes["fused-k3-omnidraft-tree"] == "omnidraft"
     assert all(r["equal_to_plain"] is None and r["mismatch"] is None for r in result["records"])
     assert "n/a" in (out / "summary.md").read_text()
 
@@ -174,8 +179,9 @@ def test_bench_compares_draft_length_policies(tiny_dirs, home, tmp_path):
                "--max-tokens", "24", "--out", str(out))
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
-    check_records(result, ["plain", "ours-k3", "ours-confidence", "ours-heuristic", "ours-learned-g0.2",
-                           "ours-learned-gauto", "ours-learned-g0.8", "ours-oracle"])
+    check_records(result, ["plain", "ours-k3-tree", "ours-confidence-tree", "ours-heuristic-tree",
+                           "ours-learned-g0.2-tree", "ours-learned-gauto-tree", "ours-learned-g0.8-tree",
+                           "ours-oracle-tree"])
     assert (out / "gamma.png").stat().st_size > 0
     drafted = {}
     for rec in result["records"]:
@@ -192,7 +198,7 @@ def test_bench_same_vocab_runs_mlx_lm_beside_ours(tiny_dirs, home, tmp_path):
     result = json.loads((out / "bench.json").read_text())
     assert result["config"]["profile"] is None  # --no-profile
     # Same vocabulary: no translation variants, and mlx-lm's speculative decoding beside ours.
-    check_records(result, ["plain", "ours-k2", "ours-k3", "mlxlm-k2", "mlxlm-k3"])
+    check_records(result, ["plain", "ours-k2-tree", "ours-k3-tree", "mlxlm-k2", "mlxlm-k3"])
     assert result["config"]["max_tokens"] == 32 and len(result["config"]["prompt_ids"]) == 1
     assert result["config"]["prompt_ids"][0] == min(load_task("complete", "heldout"), key=lambda p: len(p.text)).id
     mlxlm = [r for r in result["records"] if r["kind"] == "mlxlm"]

@@ -198,7 +198,8 @@ def test_replay_recent_is_the_mean_of_earlier_rounds():
 def test_head_labels_replay_what_decoding_gives_the_head(tiny):
     """Batch mode's teacher-forced replay of a reply gives the acceptance head the
     same labels and features that speculative decoding of it gives, round by round
-    (a same-vocabulary pair, where a kept token is the reply's own token)."""
+    (a same-vocabulary pair, where a kept token is the reply's own token; chains: a
+    branch that holds ends its round further on than a chain's would)."""
     (dm, dt), (tm, tt) = tiny["same"], tiny["target"]
     pair = make_pair(dm, dt, tm, tt)
     live = make_policy(PolicyConfig(name="learned", k=4, max_k=4, warmup=10**9))  # always 4 a round
@@ -208,7 +209,8 @@ def test_head_labels_replay_what_decoding_gives_the_head(tiny):
         msgs = user_messages(prompt)
         dp, tp = encode_prompt(dt, msgs, True), encode_prompt(tt, msgs, True)
         before = len(live.head.labels)
-        reply = [t for new, _ in speculative_generate(pair, dp, tp, SpecConfig(k=4, max_tokens=40, sources="drafter", guard=False), SpecStats(), live)
+        reply = [t for new, _ in speculative_generate(pair, dp, tp, SpecConfig(k=4, max_tokens=40, sources="drafter", guard=False, tree=False),
+                                                        SpecStats(), live)
                  for t in new]
         features, kept = head_labels(pair, make_example(pair, dp, tp, reply), replayed)
         n = min(len(kept), len(live.head.labels) - before) - 4  # the last round may be cut short by max_tokens

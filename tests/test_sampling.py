@@ -1,7 +1,8 @@
 """Sampling is lossless in `exact` mode: a goodness-of-fit test of whole
 generated sequences against the target's own distribution, computed exactly
 by enumeration on tiny models with different tokenizers, for drafts from the
-model drafter (q' from its distribution) and from context lookup (a point mass).
+model drafter (q' from its distribution), as a chain and as a token tree (its
+next-best tokens as point-mass branches), and from context lookup (a point mass).
 The same test must catch a deliberately biased variant, or it proves nothing."""
 
 import pytest
@@ -18,6 +19,7 @@ from test_widths import padding_scheduler
 LENGTH, TEMP, TOP_P, SAMPLES = 3, 1.0, 0.95, 1500
 CASES = {
     "drafter": ("def add_", "drafter"),  # ~50 likely continuations: numbers, then "(x"
+    "tree": ("def add_", "drafter"),  # the same, with the drafter's branches
     # "add_" was followed by "1(x)" before: lookups propose it, the target often disagrees.
     "lookup": ("def add_1(x):\n    return x + 1\n\ndef add_", "context"),
     # The drafter's one token padded with the context's continuation of it (a point mass): the
@@ -35,23 +37,27 @@ def setup(request, tiny):
     tp = encode_prompt(tt, user_messages(prompt), True)
     eos = set(tt.eos_token_ids) | {pair.vmap.target_eos}
 
-    padded = request.param == "padded"
+    padded, tree = request.param == "padded", request.param == "tree"
 
     def sample():
         return sample_sequences(pair, prompt, "exact", SAMPLES, LENGTH, TEMP, TOP_P, k=1 if padded else 3,
-                                sources=sources, scheduler=padding_scheduler if padded else None)
+                                sources=sources, scheduler=padding_scheduler if padded else None, tree=tree)
 
-    return sample, exact_sequence_probs(tm, tp, eos, LENGTH, TEMP, TOP_P), padded
+    return sample, exact_sequence_probs(tm, tp, eos, LENGTH, TEMP, TOP_P), request.param
 
 
 def test_exact_mode_matches_target_distribution(setup):
-    sample, expected, padded = setup
+    sample, expected, case = setup
     counts, stats = sample()
     pvalue, categories = fit(counts, expected)
     assert categories >= 5  # a test with a handful of outcomes would prove little
     assert 0 < stats.accepted < stats.proposed  # both branches of the rule were exercised
-    if padded:  # and on the padding: held (accepted with p(t)) and rejected
+    if case == "padded":  # and on the padding: held (accepted with p(t)) and rejected
         assert 0 < stats.pad_held < stats.padded
+    if case == "tree":  # trees were verified, and branches held where the chain's token was rejected
+        assert stats.branched > stats.rounds // 2 and 0 < stats.branch_held
+    else:
+        assert stats.branched == 0
     assert pvalue > 1e-3, f"exact sampling deviates from the target (p={pvalue:.2g})"
 
 
