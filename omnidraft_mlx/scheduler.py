@@ -84,6 +84,7 @@ class Scheduler:
         self.rival: float | None = None  # the best rate among the options not chosen this round
         self.looked_up = False  # this round verifies a lookup (scored in shadow, not rated)
         self.measured = False  # the verification cost per draft length seeded from widths.py
+        self.branches = Hold()  # kept branches' scores (drafts) against the tokens they held (held)
 
     def begin_reply(self, sources: list, guard: bool, ctx: Context, target=None, slot=None) -> None:
         """This reply's sources (their prompt processing: prefill); given the target and its
@@ -171,22 +172,28 @@ class Scheduler:
         expected tokens (the draft's own, its branches', the target's) per second of verifying."""
         tree = TokenTree.of(draft.tokens)
         tokens, seconds = draft.expected + 1, self.verify.seconds(len(draft.tokens))
+        # A source's scores are its own guesses: scaled by how branches have held (1 before any did).
+        scale = (self.branches.held + 1) / (self.branches.drafts + 1)
         kept = []
         for score, path in sorted(draft.branches, key=lambda b: -b[0]):
             width = len(tree.tokens) + tree.new_nodes(path)
             cost = self.verify.seconds(width) if len(tree.tokens) < width <= MOST else None
-            if cost is None or seconds is None or (tokens + score) * seconds < tokens * cost:
+            if cost is None or seconds is None or (tokens + scale * score) * seconds < tokens * cost:
                 continue
             tree.add(path)
             kept.append((score, path))
-            tokens, seconds = tokens + score, cost
+            tokens, seconds = tokens + scale * score, cost
         draft.branches = kept
 
-    def settle(self, draft: Draft, accepted: int, timing: dict, width: int) -> None:
-        """Learn from a verified round (`accepted` of the draft's own tokens, `width` tokens verified):
-        the source's own learning, the verification cost, the option's rate."""
+    def settle(self, draft: Draft, accepted: int, timing: dict, width: int, branch_held: int) -> None:
+        """Learn from a verified round (`accepted` of the draft's own tokens, `width` tokens verified,
+        `branch_held` tokens accepted on its branches): the source's own learning, the verification
+        cost, how branches hold, the option's rate."""
         draft.settle(accepted, timing)
         self.verify.add(width, timing["verify_s"])
+        if draft.branches:
+            self.branches.drafts = self.decay * self.branches.drafts + sum(s for s, _ in draft.branches)
+            self.branches.held = self.decay * self.branches.held + branch_held
         if draft.catch_up or self.looked_up:  # not rated: a catch-up costs more than the
             return  # source's usual round; a lookup is judged by its kind's hold rate
         rate = self._rate(draft.source)

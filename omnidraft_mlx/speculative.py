@@ -223,7 +223,8 @@ def speculative_generate(
             target.keep_path(tree, path)
             new = [*(tree.tokens[i] for i in path), y]
             timing = dict(draft_s=t1 - t0, verify_s=t2 - t1, round_s=t2 - t0, tokens=len(new))
-            scheduler.settle(draft, tree.on_chain(path), timing, len(tree.tokens))
+            on_chain = tree.on_chain(path)
+            scheduler.settle(draft, on_chain, timing, len(tree.tokens), len(path) - on_chain)
             stats.add_round(draft, tree, path, t1 - t0, t2 - t1)
             stop = next((i for i, t in enumerate(new) if t in target_eos), None)
             new = new[:stop][: cfg.max_tokens - len(ctx.committed)]

@@ -180,7 +180,7 @@ def test_a_drafter_that_caught_up_is_rated_in_step(guard):
         draft = scheduler.propose(ctx, 8)
         drafter.in_step &= draft.source == "drafter"
         tokens, seconds = {"context": (2, 1.0), "plain": (1, 1.0)}.get(draft.source, (4, 10.0 if draft.catch_up else 0.5))
-        scheduler.settle(draft, tokens - 1, dict(tokens=tokens, round_s=seconds, verify_s=seconds), len(draft.tokens))
+        scheduler.settle(draft, tokens - 1, dict(tokens=tokens, round_s=seconds, verify_s=seconds), len(draft.tokens), 0)
         chosen.append(draft.source)
     assert chosen[-100:].count("drafter") >= 90  # the others: plain probes of one round
 
@@ -213,7 +213,7 @@ def test_a_drafter_that_pays_on_average_keeps_its_rounds():
         for _ in range(40):
             draft = scheduler.propose(ctx, 8)
             tokens, seconds = (drafter.tokens(), 1.7) if draft.source == "drafter" else (1, 1.0)
-            scheduler.settle(draft, tokens - 1, dict(tokens=tokens, round_s=seconds, verify_s=seconds), len(draft.tokens))
+            scheduler.settle(draft, tokens - 1, dict(tokens=tokens, round_s=seconds, verify_s=seconds), len(draft.tokens), 0)
             chosen.append(draft.source)
         scheduler.end_reply(ctx)
     late = chosen[len(chosen) // 2 :]
@@ -264,7 +264,7 @@ def test_lookups_are_judged_by_how_they_held_whether_verified_or_not(right):
         held = next((i for i, t in enumerate(draft.tokens) if t != reply[start + i]), len(draft.tokens))
         verify_s = 1.0 + 0.1 * len(draft.tokens)
         round_s = verify_s + (0.3 if draft.source == "drafter" else 0.0)
-        scheduler.settle(draft, held, dict(tokens=held + 1, round_s=round_s, verify_s=verify_s), len(draft.tokens))
+        scheduler.settle(draft, held, dict(tokens=held + 1, round_s=round_s, verify_s=verify_s), len(draft.tokens), 0)
         ctx.committed += reply[start : start + held + 1]
         chosen.append(draft.source.split(":")[0])
     late = chosen[len(chosen) // 2 :]
