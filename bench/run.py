@@ -83,7 +83,7 @@ class BenchConfig:
     gammas: list[float | None] = field(default_factory=lambda: [None])  # the learned policy's thresholds (None: auto)
     sources: list[str] = field(default_factory=lambda: ["drafter"])  # BENCH_SOURCES: one family of methods each
     guards: list[bool] = field(default_factory=lambda: [True])  # lookup and fused methods: with the guard, without
-    trees: list[bool] = field(default_factory=lambda: [True])  # drafter and fused methods: token trees (-tree), chains
+    trees: list[bool] = field(default_factory=lambda: [False])  # drafter and fused methods: token trees (-tree), chains
     temp: float = 0.0  # > 0: sampled decoding (plain samples alike; outputs compared by distribution)
     seed: int = 0  # prompt i samples with seed + i (every method alike)
     prompts_file: str | None = None  # the user's prompts (JSONL), task "file"

@@ -90,7 +90,7 @@ def bench(
     task: Optional[str] = typer.Option(None, "--task", help="complete, write, math, chat, edit, multiturn, agent, comma-separated, or all (every task but agent; the default, unless --prompts-file is given)."),
     source: str = typer.Option("drafter", "--source", help="Method families, comma-separated: drafter (the model drafter alone), lookup (context and history lookups alone), fused (both, picked per round)."),
     guard: str = typer.Option("on", "--guard", help="lookup and fused methods: on, off (suffix -noguard) or on,off."),
-    tree: str = typer.Option("on", "--tree", help="drafter and fused methods: token trees on (suffix -tree), off or on,off."),
+    tree: str = typer.Option("off", "--tree", help="drafter and fused methods: token trees on (suffix -tree), off (chains) or on,off."),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="Also your own prompts: JSONL, {\"prompt\": ...} or {\"messages\": [...]} per line (task \"file\")."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature for every method, plain included (0 = greedy; outputs then compared by distribution, not identity)."),
     seed: int = typer.Option(0, "--seed", help="Random seed for sampled runs (prompt i: seed + i)."),

@@ -80,7 +80,7 @@ def chat(
     adapt_every: int = typer.Option(4, "--adapt-every", help="Replies gathered per drafter update."),
     source: str = options.SOURCE,
     no_guard: bool = options.NO_GUARD,
-    no_tree: bool = options.NO_TREE,
+    tree: bool = options.TREE,
     no_profile: bool = options.NO_PROFILE,
 ) -> None:
     """Chat with TARGET, DRAFT speculating; the pair learns from the conversation."""
@@ -92,7 +92,7 @@ def chat(
     # The settings check themselves (one-line errors), before any model loads.
     cfg = ChatConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed, context=context,
                      adapt=adapt, adapt_every=adapt_every, sources=source, guard=not no_guard,
-                     tree=not no_tree)
+                     tree=tree)
     policy_cfg = PolicyConfig(name=check_policy(policy), k=k, max_k=max(k, PolicyConfig.max_k), gamma=parse_gamma(gamma))
     warn_if_slow_blas(err_console)
     session, on_save = _open_session(draft, target, system, cfg, policy_cfg, no_profile)

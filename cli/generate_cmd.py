@@ -63,7 +63,7 @@ def generate(
     max_k: int = typer.Option(8, "--max-k", help="Adaptive policies: most draft tokens per round."),
     source: str = options.SOURCE,
     no_guard: bool = options.NO_GUARD,
-    no_tree: bool = options.NO_TREE,
+    tree: bool = options.TREE,
     show_draft: bool = options.SHOW_DRAFT,
     no_profile: bool = options.NO_PROFILE,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the generated text."),
@@ -79,7 +79,7 @@ def generate(
     # The settings check themselves (one-line errors), before any model loads; plain decoding too.
     cfg = SpecConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed,
                      translation=translation, sampling=sampling, sources=source, guard=not no_guard,
-                     tree=not no_tree)
+                     tree=tree)
     policy_cfg = PolicyConfig(name=check_policy(policy), k=k, max_k=max_k, gamma=parse_gamma(gamma))
     if not quiet:
         warn_if_slow_blas(err_console)

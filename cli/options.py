@@ -11,8 +11,8 @@ SOURCE = typer.Option(",".join(SOURCES), "--source", help="Draft sources to choo
                       "drafter (the model), context (lookup in the prompt and reply), history (lookup in earlier replies).")
 NO_GUARD = typer.Option(False, "--no-guard", help="Always draft (for measurements); by default the loop decodes "
                         "plainly while no source is expected to pay.")
-NO_TREE = typer.Option(False, "--no-tree", help="Verify the drafter's chain alone (for comparison); by default its "
-                       "next-best tokens are verified beside it, as a token tree, where the width pays.")
+TREE = typer.Option(False, "--tree/--no-tree", help="Also verify the drafter's next-best tokens beside its chain, as a "
+                    "token tree, where the width pays (off by default: it has not won on the measured pairs yet).")
 NO_PROFILE = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile.")
 
 # Decoding, as `generate` and `chat` take it.

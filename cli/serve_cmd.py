@@ -32,7 +32,7 @@ def serve(
     adapt_every: int = typer.Option(4, "--adapt-every", help="Replies gathered per drafter update."),
     source: str = options.SOURCE,
     no_guard: bool = options.NO_GUARD,
-    no_tree: bool = options.NO_TREE,
+    tree: bool = options.TREE,
     no_profile: bool = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile."),
 ) -> None:
     """Serve TARGET, DRAFT speculating, over the OpenAI HTTP API (/v1/chat/completions, /v1/completions)."""
@@ -46,7 +46,7 @@ def serve(
     check_range("--port", port, 1, 65535)
     policy_cfg = PolicyConfig(name=check_policy(policy), k=k, max_k=max(k, PolicyConfig.max_k), gamma=parse_gamma(gamma))
     cfg = ServeConfig(draft, target, policy_cfg, max_tokens, cache_bytes, adapt, adapt_every, not no_profile, api_key,
-                      source, not no_guard, not no_tree)
+                      source, not no_guard, tree)
     warn_if_slow_blas(err_console)
 
     def ready(engine) -> None:

@@ -45,7 +45,7 @@ class ChatConfig:
     adapt_every: int = 4  # replies gathered per drafter update
     sources: tuple[str, ...] = SOURCES  # draft sources to choose from each round
     guard: bool = True  # decode plainly while no source is expected to pay
-    tree: bool = True  # verify the drafter's next-best tokens beside its chain where that pays
+    tree: bool = False  # verify the drafter's next-best tokens beside its chain where that pays
 
     def __post_init__(self):
         self.sources = check_sources(self.sources)

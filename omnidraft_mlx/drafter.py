@@ -172,7 +172,7 @@ class DrafterSource(DraftSource):
         for i, probs in enumerate(seen[:used]):
             for alt in np.argpartition(-probs, BRANCHES)[: BRANCHES + 1].tolist():
                 if alt != ids[i] and probs[alt] > 0:
-                    branches.append((reach * float(probs[alt]), self._translate(ids[:i] + [alt])[0]))
+                    branches.append((reach * float(probs[alt]), lambda ids=ids[:i] + [alt]: self._translate(ids)[0]))
             reach *= float(probs[ids[i]])
             expected += reach
         return branches, expected

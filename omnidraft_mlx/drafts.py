@@ -56,14 +56,15 @@ class Draft:
     # The last `padding` tokens were looked up after the source's own, to fill a draft length
     # that verifies no slower (fit.VerifyCost.cheapest_length); they are point masses.
     padding: int = 0
-    # Other continuations to verify beside the tokens, as a token tree (tree.py): target tokens from
-    # the root, each with the tokens it is expected to add; point masses. The scheduler keeps those
-    # that pay for the width they add.
-    branches: list[tuple[float, list[int]]] = field(default_factory=list)
+    # Other continuations that may be verified beside the tokens, as a token tree (tree.py): each the
+    # tokens it is expected to add and a function giving its target tokens from the root (translated
+    # only if looked at); point masses. The scheduler keeps those that pay for the width they add.
+    branches: list[tuple[float, Callable[[], list[int]]]] = field(default_factory=list)
+    kept: list[tuple[float, list[int]]] = field(default_factory=list)  # the branches kept, translated
     expected: float = 0.0  # tokens the source expects to be accepted of its own (branches are judged against it)
 
     def tree(self) -> TokenTree:
-        return TokenTree.of(self.tokens, [path for _, path in self.branches])
+        return TokenTree.of(self.tokens, [path for _, path in self.kept])
 
     @property
     def own(self) -> int:

@@ -169,21 +169,23 @@ class Scheduler:
 
     def _branch(self, draft: Draft) -> None:
         """Keep the draft's branches, most likely first, while each pays for the width it adds:
-        expected tokens (the draft's own, its branches', the target's) per second of verifying."""
+        expected tokens (the draft's own, its branches', the target's) per second of verifying
+        (translating a branch costs a tokenizer call: the rest are not looked at)."""
         tree = TokenTree.of(draft.tokens)
         tokens, seconds = draft.expected + 1, self.verify.seconds(len(draft.tokens))
         # A source's scores are its own guesses: scaled by how branches have held (1 before any did).
         scale = (self.branches.held + 1) / (self.branches.drafts + 1)
-        kept = []
-        for score, path in sorted(draft.branches, key=lambda b: -b[0]):
+        for score, translate in sorted(draft.branches, key=lambda b: -b[0]):
+            path = translate()
             width = len(tree.tokens) + tree.new_nodes(path)
-            cost = self.verify.seconds(width) if len(tree.tokens) < width <= MOST else None
+            if width == len(tree.tokens):
+                continue  # the chain or a kept branch spells it already
+            cost = self.verify.seconds(width) if width <= MOST else None
             if cost is None or seconds is None or (tokens + scale * score) * seconds < tokens * cost:
-                continue
+                break
             tree.add(path)
-            kept.append((score, path))
+            draft.kept.append((score, path))
             tokens, seconds = tokens + scale * score, cost
-        draft.branches = kept
 
     def settle(self, draft: Draft, accepted: int, timing: dict, width: int, branch_held: int) -> None:
         """Learn from a verified round (`accepted` of the draft's own tokens, `width` tokens verified,
@@ -191,8 +193,8 @@ class Scheduler:
         cost, how branches hold, the option's rate."""
         draft.settle(accepted, timing)
         self.verify.add(width, timing["verify_s"])
-        if draft.branches:
-            self.branches.drafts = self.decay * self.branches.drafts + sum(s for s, _ in draft.branches)
+        if draft.kept:
+            self.branches.drafts = self.decay * self.branches.drafts + sum(s for s, _ in draft.kept)
             self.branches.held = self.decay * self.branches.held + branch_held
         if draft.catch_up or self.looked_up:  # not rated: a catch-up costs more than the
             return  # source's usual round; a lookup is judged by its kind's hold rate

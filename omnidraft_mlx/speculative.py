@@ -46,7 +46,7 @@ class SpecConfig:
     sources: tuple[str, ...] = SOURCES  # draft sources to choose from each round
     guard: bool = True  # decode plainly while no source is expected to pay
     lookup_len: int = 8  # most tokens a lookup proposes
-    tree: bool = True  # the drafter's next-best tokens as branches, verified in the same forward where they pay
+    tree: bool = False  # the drafter's next-best tokens as branches, verified in the same forward where they pay
 
     def __post_init__(self):
         self.sources = check_sources(self.sources)

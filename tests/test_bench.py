@@ -148,7 +148,7 @@ def test_bench_compares_sources_on_use_cases_and_user_prompts(tiny_dirs, home, t
                "--prompts", "2", "--max-tokens", "16", "--out", str(out))
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
-    check_records(result, ["plain", "ours-k3-tree", "lookup", "lookup-noguard", "fused-k3-tree", "fused-k3-noguard-tree"])
+    check_records(result, ["plain", "ours-k3", "lookup", "lookup-noguard", "fused-k3", "fused-k3-noguard"])
     ids = result["config"]["prompt_ids"]
     assert len(ids) == 5 and ids[0].startswith("edit/HumanEval/") and ids[1].endswith("/2") and ids[2] == "file/1"
     multiturn = next(r for r in result["records"] if r["task"] == "multiturn" and r["method"] == "plain")
@@ -164,10 +164,10 @@ def test_bench_sampled_runs_compare_by_distribution(tiny_dirs, home, tmp_path):
                "--sampling", "exact,omnidraft", "--max-tokens", "12", "--out", str(out))
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
-    assert {r["method"] for r in result["records"]} == {"plain", "ours-k3-tree", "ours-k3-omnidraft-tree",
-                                                        "fused-k3-tree", "fused-k3-omnidraft-tree"}
+    assert {r["method"] for r in result["records"]} == {"plain", "ours-k3", "ours-k3-omnidraft",
+                                                        "fused-k3", "fused-k3-omnidraft"}
     modes = {m["name"]: m["sampling"] for m in result["config"]["methods"]}
-    assert modes["ours-k3-tree"] == "exact" and modes["fused-k3-omnidraft-tree"] == "omnidraft"
+    assert modes["ours-k3"] == "exact" and modes["fused-k3-omnidraft"] == "omnidraft"
     assert all(r["equal_to_plain"] is None and r["mismatch"] is None for r in result["records"])
     assert "n/a" in (out / "summary.md").read_text()
 
@@ -179,9 +179,9 @@ def test_bench_compares_draft_length_policies(tiny_dirs, home, tmp_path):
                "--max-tokens", "24", "--out", str(out))
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
-    check_records(result, ["plain", "ours-k3-tree", "ours-confidence-tree", "ours-heuristic-tree",
-                           "ours-learned-g0.2-tree", "ours-learned-gauto-tree", "ours-learned-g0.8-tree",
-                           "ours-oracle-tree"])
+    check_records(result, ["plain", "ours-k3", "ours-confidence", "ours-heuristic",
+                           "ours-learned-g0.2", "ours-learned-gauto", "ours-learned-g0.8",
+                           "ours-oracle"])
     assert (out / "gamma.png").stat().st_size > 0
     drafted = {}
     for rec in result["records"]:
@@ -198,7 +198,7 @@ def test_bench_same_vocab_runs_mlx_lm_beside_ours(tiny_dirs, home, tmp_path):
     result = json.loads((out / "bench.json").read_text())
     assert result["config"]["profile"] is None  # --no-profile
     # Same vocabulary: no translation variants, and mlx-lm's speculative decoding beside ours.
-    check_records(result, ["plain", "ours-k2-tree", "ours-k3-tree", "mlxlm-k2", "mlxlm-k3"])
+    check_records(result, ["plain", "ours-k2", "ours-k3", "mlxlm-k2", "mlxlm-k3"])
     assert result["config"]["max_tokens"] == 32 and len(result["config"]["prompt_ids"]) == 1
     assert result["config"]["prompt_ids"][0] == min(load_task("complete", "heldout"), key=lambda p: len(p.text)).id
     mlxlm = [r for r in result["records"] if r["kind"] == "mlxlm"]

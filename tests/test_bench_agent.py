@@ -80,7 +80,7 @@ def test_bench_agent_end_to_end(tiny_dirs, home, tmp_path):
                "--source", "drafter,fused", "--k", "3", "--prompts", "2", "--max-tokens", "12", "--out", str(out))
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
-    check_records(result, ["plain", "ours-k3-tree", "fused-k3-tree"])
+    check_records(result, ["plain", "ours-k3", "fused-k3"])
     records = result["records"]
     assert len(result["config"]["prompt_ids"]) == 2 * AGENT_STEPS
     _check_steps_build_on_each_other(records)
@@ -112,6 +112,6 @@ def _check_episodes(result):
         assert e["tokens"] == sum(r["tokens"] for r in plain)
         expected = sum(r["generate_s"] for r in plain) / sum(r["generate_s"] for r in mine)
         assert e["speedup"] == pytest.approx(expected)
-    row = next(s for s in result["summary"] if s["task"] == "agent" and s["method"] == "fused-k3-tree")
-    fused = [e["speedup"] for e in episodes if e["method"] == "fused-k3-tree"]
+    row = next(s for s in result["summary"] if s["task"] == "agent" and s["method"] == "fused-k3")
+    fused = [e["speedup"] for e in episodes if e["method"] == "fused-k3"]
     assert row["episodes"] == 2 and row["episode_speedup_median"] == pytest.approx(float(np.median(fused)))
