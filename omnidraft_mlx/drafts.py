@@ -74,9 +74,14 @@ class Draft:
     def proposal(self, n: int, vocab: int) -> np.ndarray:
         if self.q is not None and n < self.own:
             return self.q(n, self.tokens[n])
-        point = np.zeros(vocab)
-        point[self.tokens[n]] = 1.0
-        return point
+        return point_mass(self.tokens[n], vocab)
+
+
+def point_mass(token: int, vocab: int) -> np.ndarray:
+    """The proposal of a token chosen without sampling (a lookup, a padding token, a branch)."""
+    q = np.zeros(vocab)
+    q[token] = 1.0
+    return q
 
 
 class DraftSource:

@@ -59,13 +59,14 @@ class Rate:
 
 @dataclass
 class Hold:
-    """Decaying sums over a lookup kind's drafts: how many, and how many of their tokens held."""
+    """Decaying sums over drafts: how many (or, for branches, the tokens they were expected to add),
+    and how many of their tokens held."""
 
     drafts: float = 0.0
     held: float = 0.0
 
-    def add(self, held: int, decay: float) -> None:
-        self.drafts = decay * self.drafts + 1
+    def add(self, held: float, decay: float, drafts: float = 1.0) -> None:
+        self.drafts = decay * self.drafts + drafts
         self.held = decay * self.held + held
 
 
@@ -194,8 +195,7 @@ class Scheduler:
         draft.settle(accepted, timing)
         self.verify.add(width, timing["verify_s"])
         if draft.kept:
-            self.branches.drafts = self.decay * self.branches.drafts + sum(s for s, _ in draft.kept)
-            self.branches.held = self.decay * self.branches.held + branch_held
+            self.branches.add(branch_held, self.decay, drafts=sum(s for s, _ in draft.kept))
         if draft.catch_up or self.looked_up:  # not rated: a catch-up costs more than the
             return  # source's usual round; a lookup is judged by its kind's hold rate
         rate = self._rate(draft.source)

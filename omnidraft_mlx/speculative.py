@@ -21,7 +21,7 @@ import numpy as np
 from mlx_lm.sample_utils import apply_top_p
 
 from omnidraft_mlx.drafter import DrafterSource, softmax
-from omnidraft_mlx.drafts import SOURCES, Context, Draft, check_sources
+from omnidraft_mlx.drafts import SOURCES, Context, Draft, check_sources, point_mass
 from omnidraft_mlx.kvcache import KVSlot
 from omnidraft_mlx.lookup import ContextLookup, HistoryIndex, HistorySource
 from omnidraft_mlx.pair import Pair
@@ -136,12 +136,6 @@ def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     r = np.maximum(p - q, 0.0)
     total = r.sum()
     return r / total if total > 0 else p
-
-
-def point_mass(token: int, vocab: int) -> np.ndarray:
-    q = np.zeros(vocab)
-    q[token] = 1.0
-    return q
 
 
 def verify(out: mx.array, tree: TokenTree, draft: Draft, cfg: SpecConfig, rng) -> tuple[list[int], int]:

@@ -41,16 +41,15 @@ class TokenTree:
     def children(self, node: int) -> list[int]:
         return [i for i, p in enumerate(self.parents) if p == node]
 
-    def add(self, path: list[int]) -> int:
-        """Merge a path from the root; the number of new nodes."""
-        node, new = -1, 0
+    def add(self, path: list[int]) -> None:
+        """Merge a path from the root."""
+        node = -1
         for token in path:
             found = self.child(node, token)
             if found is None:
                 self.tokens.append(token), self.parents.append(node)
-                found, new = len(self.tokens) - 1, new + 1
+                found = len(self.tokens) - 1
             node = found
-        return new
 
     def new_nodes(self, path: list[int]) -> int:
         """How many nodes merging the path would add."""
