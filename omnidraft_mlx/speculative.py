@@ -181,56 +181,87 @@ def make_sources(pair: Pair, draft_prompt: list[int], cfg: SpecConfig, policy: D
     return sources
 
 
-def speculative_generate(
-    pair: Pair, draft_prompt: list[int], target_prompt: list[int], cfg: SpecConfig, stats: SpecStats,
-    policy: DraftPolicy | None = None, history: HistoryIndex | None = None,
-    target_slot: KVSlot | None = None, draft_slot: KVSlot | None = None, learn_history: bool = True,
-    scheduler: Scheduler | None = None, on_logits: Callable[[mx.array], None] | None = None,
-) -> Iterator[tuple[list[int], list[bool]]]:
-    """Yield (new target ids, which of them were drafted) after every round. Given slots,
-    their caches are reused (common prefix kept); on return each holds what its cache holds.
-    A scheduler kept across replies starts each from what the earlier ones measured.
-    on_logits gets, before each yield, the target's logits that chose the new ids (a row each)."""
-    policy = policy or FixedPolicy(PolicyConfig(k=cfg.k))
-    target_eos = set(pair.target_tok.eos_token_ids) | {pair.vmap.target_eos}
-    ctx = Context(target_prompt, rng=np.random.default_rng(cfg.seed))
-    t_start = time.perf_counter()
-    target = target_slot or KVSlot.fresh(pair.target)
-    stats.cached_tokens = min(target.common_prefix(target_prompt), len(target_prompt) - 1)
-    target.reuse(pair.target, target_prompt[:-1])
-    scheduler = scheduler or Scheduler()
-    scheduler.begin_reply(make_sources(pair, draft_prompt, cfg, policy, history, draft_slot, learn_history),
-                          cfg.guard, ctx, pair.target, target)
-    stats.prompt_tokens = len(target_prompt)
-    stats.prefill_s = time.perf_counter() - t_start
-    t_gen, y = time.perf_counter(), target_prompt[-1]
+class Decoding:
+    """One reply's decode, a round at a time: plan() the round's draft tree, the target
+    verifies it (KVSlot.verify, alone, or batched with other replies: batch.py), take()
+    its logits. Prefill happens on construction; close() when done or abandoned.
+
+    Given slots, their caches are reused (common prefix kept); afterwards each holds what
+    its cache holds. A scheduler kept across replies starts each from what the earlier
+    ones measured. on_logits gets, after each round, the target's logits that chose the
+    round's new ids (a row each)."""
+
+    def __init__(self, pair: Pair, draft_prompt: list[int], target_prompt: list[int], cfg: SpecConfig,
+                 stats: SpecStats, policy: DraftPolicy | None = None, history: HistoryIndex | None = None,
+                 target_slot: KVSlot | None = None, draft_slot: KVSlot | None = None, learn_history: bool = True,
+                 scheduler: Scheduler | None = None, on_logits: Callable[[mx.array], None] | None = None):
+        self.pair, self.cfg, self.stats, self.on_logits = pair, cfg, stats, on_logits
+        policy = policy or FixedPolicy(PolicyConfig(k=cfg.k))
+        self.target_eos = set(pair.target_tok.eos_token_ids) | {pair.vmap.target_eos}
+        self.ctx = Context(target_prompt, rng=np.random.default_rng(cfg.seed))
+        t_start = time.perf_counter()
+        self.target = target = target_slot or KVSlot.fresh(pair.target)
+        stats.cached_tokens = min(target.common_prefix(target_prompt), len(target_prompt) - 1)
+        target.reuse(pair.target, target_prompt[:-1])
+        self.scheduler = scheduler or Scheduler()
+        self.scheduler.begin_reply(make_sources(pair, draft_prompt, cfg, policy, history, draft_slot, learn_history),
+                                   cfg.guard, self.ctx, pair.target, target)
+        stats.prompt_tokens = len(target_prompt)
+        stats.prefill_s = time.perf_counter() - t_start
+        self.t_gen, self.y = time.perf_counter(), target_prompt[-1]  # y: the last token, the next forward's root
+        self.done = False
+        self.draft, self.tree, self.draft_s = None, None, 0.0
+
+    def plan(self) -> TokenTree:
+        """This round's draft (the scheduler's choice; no tokens: a plain step), as the tree to verify after y."""
+        t0, left = time.perf_counter(), self.cfg.max_tokens - len(self.ctx.committed)
+        self.draft = self.scheduler.propose(self.ctx, left)
+        self.draft.tokens = self.draft.tokens[: left - 1]  # room for the target's own token
+        self.tree = self.draft.tree()
+        self.draft_s = time.perf_counter() - t0
+        return self.tree
+
+    def take(self, out: mx.array, forward_s: float) -> tuple[list[int], list[bool]]:
+        """The target's logits over [y, *tree] (evaluated in forward_s: in a batch, this reply's
+        share) -> (new target ids, which of them were drafted); the caches keep them."""
+        ctx, draft, tree, stats = self.ctx, self.draft, self.tree, self.stats
+        t1 = time.perf_counter()
+        path, self.y = verify(out, tree, draft, self.cfg, ctx.rng)
+        verify_s = forward_s + time.perf_counter() - t1
+        self.target.keep_path(tree, path)
+        new = [*(tree.tokens[i] for i in path), self.y]
+        timing = dict(draft_s=self.draft_s, verify_s=verify_s, round_s=self.draft_s + verify_s, tokens=len(new))
+        on_chain = tree.on_chain(path)
+        self.scheduler.settle(draft, on_chain, timing, len(tree.tokens), len(path) - on_chain)
+        stats.add_round(draft, tree, path, self.draft_s, verify_s)
+        stop = next((i for i, t in enumerate(new) if t in self.target_eos), None)
+        new = new[:stop][: self.cfg.max_tokens - len(ctx.committed)]
+        ctx.committed += new
+        for t in new:
+            ctx.text += self.pair.vmap.target_bytes[t] or b""
+        self.pair.learn_ngrams(new)
+        if self.on_logits:
+            self.on_logits(out[mx.array([0, *(i + 1 for i in path)][: len(new)])])
+        stats.emitted, stats.generate_s = len(ctx.committed), time.perf_counter() - self.t_gen
+        self.done = stop is not None or len(ctx.committed) >= self.cfg.max_tokens
+        return new, [i < len(path) for i in range(len(new))]
+
+    def close(self) -> None:
+        self.scheduler.end_reply(self.ctx)
+
+
+def speculative_generate(pair: Pair, draft_prompt: list[int], target_prompt: list[int], cfg: SpecConfig,
+                         stats: SpecStats, policy: DraftPolicy | None = None, **options
+                         ) -> Iterator[tuple[list[int], list[bool]]]:
+    """Yield (new target ids, which of them were drafted) after every round: one reply
+    decoded alone (`options`: Decoding's)."""
+    decoding = Decoding(pair, draft_prompt, target_prompt, cfg, stats, policy, **options)
     try:
-        while len(ctx.committed) < cfg.max_tokens:
-            t0, left = time.perf_counter(), cfg.max_tokens - len(ctx.committed)
-            draft = scheduler.propose(ctx, left)
-            draft.tokens = draft.tokens[: left - 1]  # room for the target's own token
-            tree = draft.tree()
-            t1 = time.perf_counter()
-            out = target.verify(pair.target, y, tree)
-            path, y = verify(out, tree, draft, cfg, ctx.rng)
-            t2 = time.perf_counter()
-            target.keep_path(tree, path)
-            new = [*(tree.tokens[i] for i in path), y]
-            timing = dict(draft_s=t1 - t0, verify_s=t2 - t1, round_s=t2 - t0, tokens=len(new))
-            on_chain = tree.on_chain(path)
-            scheduler.settle(draft, on_chain, timing, len(tree.tokens), len(path) - on_chain)
-            stats.add_round(draft, tree, path, t1 - t0, t2 - t1)
-            stop = next((i for i, t in enumerate(new) if t in target_eos), None)
-            new = new[:stop][: cfg.max_tokens - len(ctx.committed)]
-            ctx.committed += new
-            for t in new:
-                ctx.text += pair.vmap.target_bytes[t] or b""
-            pair.learn_ngrams(new)
-            if on_logits:
-                on_logits(out[mx.array([0, *(i + 1 for i in path)][: len(new)])])
-            stats.emitted, stats.generate_s = len(ctx.committed), time.perf_counter() - t_gen
-            yield new, [i < len(path) for i in range(len(new))]
-            if stop is not None:
-                break
+        while not decoding.done:
+            tree = decoding.plan()
+            t0 = time.perf_counter()
+            out = decoding.target.verify(pair.target, decoding.y, tree)
+            mx.eval(out)
+            yield decoding.take(out, time.perf_counter() - t0)
     finally:
-        scheduler.end_reply(ctx)
+        decoding.close()

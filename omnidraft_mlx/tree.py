@@ -89,34 +89,45 @@ def tree_mask(offset: int, depth: np.ndarray, ancestors: np.ndarray, window: int
     return mx.array(mask)
 
 
-class TreeRoPE:
-    """A layer's rope with one position per token: the tokens move onto the batch axis,
-    where mx.fast.rope takes an offset per row."""
+class PositionsRoPE:
+    """A layer's rope with a given position per token (rows x tokens): the tokens move onto
+    the batch axis, where mx.fast.rope takes an offset per row."""
 
-    def __init__(self, rope, depth: mx.array):
-        self.rope, self.depth = rope, depth
+    def __init__(self, rope, positions: mx.array):
+        self.rope, self.positions = rope, positions.reshape(-1)
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
-        return self.rope(x.transpose(2, 1, 0, 3), offset=offset + self.depth).transpose(2, 1, 0, 3)
+        B, H, N, D = x.shape
+        y = self.rope(x.transpose(0, 2, 1, 3).reshape(B * N, H, 1, D), offset=self.positions)
+        return y.reshape(B, N, H, D).transpose(0, 2, 1, 3)
+
+
+@contextmanager
+def positions_rope(model, positions: mx.array):
+    """For one forward: token (b, i) at position positions[b, i] in every attention's rope."""
+    ropes = [m for _, m in model.named_modules() if isinstance(m, dict) and "rope" in m]
+    originals = [m["rope"] for m in ropes]
+    for m in ropes:
+        m["rope"] = PositionsRoPE(m["rope"], positions)
+    try:
+        yield
+    finally:
+        for m, rope in zip(ropes, originals):
+            m["rope"] = rope
 
 
 @contextmanager
 def tree_attention(model, cache: list, tree: TokenTree):
     """For one forward over [root, *tree.tokens]: ancestor masks and per-token positions."""
     depth, ancestors = tree.rows()
-    ropes = [m for _, m in model.named_modules() if isinstance(m, dict) and "rope" in m]
     for c in cache:
         def make_mask(N, return_array=False, window_size=None, c=c):
             return tree_mask(c.offset, depth, ancestors, window_size or getattr(c, "window", None))
         c.make_mask = make_mask
-    originals = [m["rope"] for m in ropes]
-    for m in ropes:
-        m["rope"] = TreeRoPE(m["rope"], mx.array(depth))
     try:
-        yield
+        with positions_rope(model, mx.array(cache[0].offset + depth)[None]):
+            yield
     finally:
-        for m, rope in zip(ropes, originals):
-            m["rope"] = rope
         for c in cache:
             del c.make_mask
 

@@ -1,7 +1,9 @@
 """Token trees on tiny random models of each family (qwen2, llama, gemma3_text with a
 sliding window shorter than the prompt): one forward over a tree gives every node the
 logits a token-by-token decode of its own path gives, and the caches compacted to
-the accepted path continue exactly as if only that path had been fed."""
+the accepted path continue exactly as if only that path had been fed. Batched
+(batch.py): rows of different lengths, trees and chains in one forward, each row
+as its own forward."""
 
 import mlx.core as mx
 import numpy as np
@@ -9,8 +11,9 @@ import pytest
 from mlx_lm.models import gemma3_text, llama, qwen2
 from mlx_lm.models.cache import QuantizedKVCache
 
-from omnidraft_mlx.kvcache import make_cache, prefill
-from omnidraft_mlx.tree import TokenTree, keep_path, tree_forward
+from omnidraft_mlx.batch import batch_verify
+from omnidraft_mlx.kvcache import KVSlot, make_cache, prefill
+from omnidraft_mlx.tree import PositionsRoPE, TokenTree, keep_path, tree_forward
 
 VOCAB, WINDOW = 97, 8
 BASE = dict(hidden_size=128, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
@@ -113,10 +116,42 @@ def test_quantized_caches_compact_too(model):
     assert mx.allclose(after, expected, atol=1e-3).item()
 
 
+# Rows of a batch: prefixes of different lengths (past the window and within it), a tree,
+# a chain and a plain step (no draft).
+ROWS = [(PREFIX, TREE), (PREFIX[:13], TokenTree.of([5, 6])), (PREFIX[:5], TokenTree.of([]))]
+
+
+def slots_for(model, rows) -> list[KVSlot]:
+    slots = [KVSlot.fresh(model) for _ in rows]
+    for slot, (prefix, _) in zip(slots, rows):
+        slot.extend(model, prefix)
+    return slots
+
+
+def test_a_batched_forward_gives_each_row_its_own_forward(model):
+    solo, batched = slots_for(model, ROWS), slots_for(model, ROWS)
+    alone = [slot.verify(model, 3, tree) for slot, (_, tree) in zip(solo, ROWS)]
+    together = batch_verify(model, batched, [3] * len(ROWS), [tree for _, tree in ROWS])
+    for a, b, (_, tree) in zip(alone, together, ROWS):
+        assert b.shape == (len(tree.tokens) + 1, VOCAB)
+        assert mx.allclose(a, b, atol=1e-4).item()
+    # Each row's cache kept its own nodes: compacted to a path, it continues as the solo one.
+    for a, b, (_, tree), node in zip(solo, batched, ROWS, (6, 1, None)):
+        assert a.tokens == b.tokens
+        path = path_to(tree, node) if node is not None else []
+        for slot in (a, b):
+            slot.keep_path(tree, path)
+        after = [model(mx.array([[40, 41]]), cache=slot.cache)[0] for slot in (a, b)]
+        assert mx.allclose(*after, atol=1e-4).item()
+    assert not isinstance(model.model.layers[0].self_attn.rope, PositionsRoPE)  # the model is left as it was
+
+
 def test_an_exception_leaves_the_caches_as_they_were(model):
     cache = make_cache(model)
     prefill(model, cache, PREFIX)
     before = [c.offset for c in cache]
+    slots = slots_for(model, ROWS)
+    row_lengths = [len(slot.tokens) for slot in slots]
 
     class Failing:  # the last layer fails after the others wrote their caches
         def __init__(self, layer):
@@ -134,7 +169,11 @@ def test_an_exception_leaves_the_caches_as_they_were(model):
     try:
         with pytest.raises(MemoryError):
             tree_forward(model, cache, 3, TREE)
+        with pytest.raises(MemoryError):
+            batch_verify(model, slots, [3] * len(ROWS), [tree for _, tree in ROWS])
     finally:
         layers[-1] = last
     assert [c.offset for c in cache] == before
     assert "make_mask" not in vars(cache[0])
+    assert [[c.offset for c in slot.cache] for slot in slots] == [[n] * len(cache) for n in row_lengths]
+    assert [len(slot.tokens) for slot in slots] == row_lengths

@@ -1,0 +1,82 @@
+"""One target forward over the draft trees of several replies (concurrent requests).
+
+Each reply keeps its own caches (KVSlot): rolled back on its own, stored in the
+prompt cache on its own. For the forward, each layer's caches are seen through a
+RowsView: every row's new keys and values go into that row's cache, and attention
+reads the rows' caches padded to the longest, with a mask per row (its cached
+prefix, within the window, and its tree's ancestors; padding masked out) and a
+position per token (its prefix length plus its depth). So a row's logits are those
+of its own forward, and afterwards its cache is exactly what KVSlot.verify leaves.
+The copy into the padded batch costs a pass over the rows' caches per forward.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from omnidraft_mlx.kvcache import KVSlot
+from omnidraft_mlx.tree import TokenTree, positions_rope, tree_mask
+
+
+class RowsView:
+    """One layer's caches of the batch's rows, seen as one cache by the model's attention."""
+
+    def __init__(self, caches: list, lengths: list[int], rows: list[tuple[np.ndarray, np.ndarray]]):
+        self.caches, self.lengths, self.rows = caches, lengths, rows
+        self.offset = max(lengths)  # unused by attention (positions_rope and make_mask stand in)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        width = max(length + len(depth) for length, (depth, _) in zip(self.lengths, self.rows))
+        out_k, out_v = [], []
+        for i, (cache, (depth, _)) in enumerate(zip(self.caches, self.rows)):
+            k, v = cache.update_and_fetch(keys[i : i + 1, :, : len(depth)], values[i : i + 1, :, : len(depth)])
+            pad = [(0, 0), (0, 0), (0, width - k.shape[2]), (0, 0)]
+            out_k.append(mx.pad(k, pad))
+            out_v.append(mx.pad(v, pad))
+        return mx.concatenate(out_k), mx.concatenate(out_v)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        window = window_size or getattr(self.caches[0], "window", None)
+        width = max(length + len(depth) for length, (depth, _) in zip(self.lengths, self.rows))
+        mask = np.zeros((len(self.rows), 1, N, width), bool)
+        mask[:, :, :, 0] = True  # padding rows attend somewhere (their output is dropped)
+        for i, (length, (depth, ancestors)) in enumerate(zip(self.lengths, self.rows)):
+            own = np.array(tree_mask(length, depth, ancestors, window))
+            mask[i, 0, : own.shape[0], : own.shape[1]] = own
+        return mx.array(mask)
+
+
+def batchable(slots: list[KVSlot]) -> bool:
+    """Rows can share a forward when every layer's cache is a plain (or windowed) KVCache."""
+    return all(isinstance(c, KVCache) for slot in slots for c in slot.cache)
+
+
+def batch_verify(model, slots: list[KVSlot], roots: list[int], trees: list[TokenTree]) -> list[mx.array]:
+    """KVSlot.verify for each (slot, root, tree), in one forward where the caches allow (else one
+    forward each): each row's logits after its root and each of its nodes. On an exception
+    every cache holds what it held before."""
+    if len(slots) == 1 or not batchable(slots):
+        return [slot.verify(model, root, tree) for slot, root, tree in zip(slots, roots, trees)]
+    rows = [tree.rows() for tree in trees]
+    lengths = [slot.cache[0].offset for slot in slots]
+    n = max(len(depth) for depth, _ in rows)
+    inputs = np.zeros((len(slots), n), np.int32)
+    positions = np.zeros((len(slots), n), np.int32)
+    for i, (root, tree, (depth, _), length) in enumerate(zip(roots, trees, rows, lengths)):
+        inputs[i, : len(depth)] = [root, *tree.tokens]
+        positions[i, : len(depth)] = length + depth
+    views = [RowsView([slot.cache[layer] for slot in slots], lengths, rows) for layer in range(len(slots[0].cache))]
+    try:
+        with positions_rope(model, mx.array(positions)):
+            out = model(mx.array(inputs), cache=views)
+            mx.eval(out)
+    except BaseException:
+        for slot, length in zip(slots, lengths):
+            for c in slot.cache:
+                c.trim(c.offset - length)
+        raise
+    for slot, root, tree in zip(slots, roots, trees):
+        slot.tokens += [root, *tree.tokens]
+    return [out[i, : len(depth)] for i, (depth, _) in enumerate(rows)]
