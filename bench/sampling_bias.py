@@ -32,6 +32,7 @@ import json
 import sys
 import tempfile
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -40,7 +41,7 @@ from scipy.stats import chisquare
 
 from omnidraft_mlx.atomic import atomic_write_text
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate, target_probs
+from omnidraft_mlx.speculative import Decoding, SpecConfig, SpecStats, decode_together, target_probs
 
 
 def exact_sequence_probs(model, prompt_ids, eos, length, temp, top_p, min_prob=1e-7) -> dict:
@@ -62,18 +63,29 @@ def exact_sequence_probs(model, prompt_ids, eos, length, temp, top_p, min_prob=1
 
 
 def sample_sequences(pair, prompt, mode, n, length, temp, top_p, k=3, sources="drafter",
-                     scheduler=None, tree=True) -> tuple[Counter, SpecStats]:
+                     scheduler=None, tree=True, beside: str | None = None) -> tuple[Counter, SpecStats]:
     """n sampled continuations of prompt, drafted by `sources` (every round, no guard), with the
-    drafter's branches or without; `scheduler`: makes each one's Scheduler (None: the default)."""
-    msgs = user_messages(prompt)
-    dp, tp = encode_prompt(pair.draft_tok, msgs, True), encode_prompt(pair.target_tok, msgs, True)
+    drafter's branches or without; `scheduler`: makes each one's Scheduler (None: the default);
+    `beside`: a prompt whose own sampled reply shares each one's target forwards (two requests
+    in a batch, as `omnidraft serve` decodes them)."""
+    def ids(text):
+        msgs = user_messages(text)
+        return encode_prompt(pair.draft_tok, msgs, True), encode_prompt(pair.target_tok, msgs, True)
+
     counts, stats = Counter(), SpecStats()
     for seed in range(n):
         cfg = SpecConfig(k=k, temp=temp, top_p=top_p, max_tokens=length, sampling=mode, seed=seed,
                          sources=sources, guard=False, tree=tree)
-        counts[tuple(t for new, _ in speculative_generate(pair, dp, tp, cfg, stats,
-                                                                     scheduler=scheduler and scheduler())
-                         for t in new)] += 1
+        decodings = [Decoding(pair, *ids(prompt), cfg, stats, scheduler=scheduler and scheduler())]
+        if beside:
+            decodings.append(Decoding(pair, *ids(beside), replace(cfg, seed=n + seed, max_tokens=length + 2),
+                                      SpecStats()))
+        sequence = []
+        for taken in decode_together(decodings):
+            sequence += taken.get(0, ([], []))[0]
+        for d in decodings:
+            d.close()
+        counts[tuple(sequence)] += 1
     return counts, stats
 
 

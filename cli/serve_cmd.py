@@ -33,6 +33,8 @@ def serve(
     source: str = options.SOURCE,
     no_guard: bool = options.NO_GUARD,
     tree: bool = options.TREE,
+    batch: int = typer.Option(8, "--batch", help="Requests decoded together (their drafts verified in one "
+                              "target forward); more wait in a queue. 1: one at a time."),
     no_profile: bool = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile."),
 ) -> None:
     """Serve TARGET, DRAFT speculating, over the OpenAI HTTP API (/v1/chat/completions, /v1/completions)."""
@@ -46,7 +48,7 @@ def serve(
     check_range("--port", port, 1, 65535)
     policy_cfg = PolicyConfig(name=check_policy(policy), k=k, max_k=max(k, PolicyConfig.max_k), gamma=parse_gamma(gamma))
     cfg = ServeConfig(draft, target, policy_cfg, max_tokens, cache_bytes, adapt, adapt_every, not no_profile, api_key,
-                      source, not no_guard, tree)
+                      source, not no_guard, tree, batch)
     warn_if_slow_blas(err_console)
 
     def ready(engine) -> None:

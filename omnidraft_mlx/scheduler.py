@@ -26,6 +26,7 @@ behind these choices: bench/results/free-drafts/README.md (design record).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from omnidraft_mlx.align import common_prefix
@@ -86,6 +87,16 @@ class Scheduler:
         self.looked_up = False  # this round verifies a lookup (scored in shadow, not rated)
         self.measured = False  # the verification cost per draft length seeded from widths.py
         self.branches = Hold()  # kept branches' scores (drafts) against the tokens they held (held)
+
+    def fork(self) -> "Scheduler":
+        """A scheduler for a reply decoded beside this one's (concurrent requests): it starts
+        from what this one measured and keeps what it measures itself."""
+        other = copy.copy(self)
+        other.rates = {key: copy.copy(rate) for key, rate in self.rates.items()}
+        other.holds = {key: copy.copy(hold) for key, hold in self.holds.items()}
+        other.verify, other.branches = copy.deepcopy(self.verify), copy.copy(self.branches)
+        other.sources, other.pending = [], []
+        return other
 
     def begin_reply(self, sources: list, guard: bool, ctx: Context, target=None, slot=None) -> None:
         """This reply's sources (their prompt processing: prefill); given the target and its

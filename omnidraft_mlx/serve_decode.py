@@ -85,32 +85,26 @@ class Decoder:
         logprobs = (req.top_logprobs or 0) if chat and req.logprobs else None
         return Job(draft_ids, target_ids, spec, stop_strings(req), loop, asyncio.Queue(), tools, logprobs)
 
-    def generate(self, job: Job) -> tuple[Result, list[int]]:
-        """Decode the job, emitting its events; (the result, the reply's target ids)."""
+    def start(self, job: Job, scheduler) -> "Running":
+        """The job's decoding, prefilled on the prompt cache, its rounds to come (Running.take)."""
         from omnidraft_mlx.speculative import SpecStats
 
         stats, use, rows = SpecStats(), CacheUse(), []
         reply = ReplyText(self.pair.vmap.target_bytes, job.stops, job.tools, job.emit)
-        ids, finish, ttft = [], None, None
         start = time.perf_counter()
-        for new, _ in self.prompt_cache.generate(self.pair, job.draft_ids, job.target_ids, job.spec, stats,
-                                                 self.policy, use, history=self.history, scheduler=self.scheduler,
-                                                 on_logits=rows.append if job.logprobs is not None else None):
-            ttft = ttft if ttft is not None else time.perf_counter() - start
-            ids += new
-            if rows and (logprobs := token_logprobs(rows.pop(), new, job.logprobs, self.token_bytes)):
-                job.emit("logprobs", logprobs)
-            if reply.add(new):
-                finish = "stop"
-                break
-            if job.cancelled.is_set():
-                finish = "cancelled"
-                break
-        if finish is None:
-            finish = "length" if len(ids) >= job.spec.max_tokens else "stop"
-            reply.finish()
-        finish = "tool_calls" if reply.called and finish == "stop" else finish
-        return Result(finish, len(job.target_ids), len(ids), use.target_tokens, self.report(stats, use, ttft)), ids
+        decoding = self.prompt_cache.start(self.pair, job.draft_ids, job.target_ids, job.spec, stats, self.policy, use,
+                                           history=self.history, scheduler=scheduler,
+                                           on_logits=rows.append if job.logprobs is not None else None)
+        return Running(job, decoding, stats, use, reply, rows, start)
+
+    def finish(self, running: "Running", intact: bool = True) -> tuple[Result, list[int]]:
+        """Give the running job's caches back to the prompt cache; (its result, the reply's target ids)."""
+        self.prompt_cache.finish(running.decoding, intact)
+        finish = running.finish or "cancelled"
+        stats, ids = running.stats, running.ids
+        result = Result(finish, len(running.job.target_ids), len(ids), running.use.target_tokens,
+                        self.report(stats, running.use, running.ttft))
+        return result, ids
 
     def token_bytes(self, token: int) -> bytes:
         """A target token's bytes; a special token's, its text."""
@@ -129,3 +123,38 @@ class Decoder:
             "time_to_first_token_s": round(ttft or 0.0, 4),
             "tokens_per_s": round(stats.tokens_per_s, 2),
         }
+
+
+@dataclass
+class Running:
+    """A job being decoded: its decoding, between rounds, and the reply it has streamed so far."""
+
+    job: Job
+    decoding: object  # speculative.Decoding
+    stats: object  # SpecStats
+    use: CacheUse
+    reply: ReplyText
+    rows: list  # the target's logits of the last round, for log-probabilities
+    start: float
+    ids: list[int] = field(default_factory=list)
+    ttft: float | None = None
+    finish: str | None = None  # set when the reply is over
+
+    def take(self, out, forward_s: float, token_bytes) -> bool:
+        """A round's logits (Decoding.take) -> the reply's events; whether the reply is over."""
+        job = self.job
+        new, _ = self.decoding.take(out, forward_s)
+        self.ttft = self.ttft if self.ttft is not None else time.perf_counter() - self.start
+        self.ids += new
+        if self.rows and (logprobs := token_logprobs(self.rows.pop(), new, job.logprobs, token_bytes)):
+            job.emit("logprobs", logprobs)
+        if self.reply.add(new):
+            self.finish = "stop"
+        elif job.cancelled.is_set():
+            self.finish = "cancelled"
+        elif self.decoding.done:
+            self.finish = "length" if len(self.ids) >= job.spec.max_tokens else "stop"
+            self.reply.finish()
+        if self.finish == "stop" and self.reply.called:
+            self.finish = "tool_calls"
+        return self.finish is not None

@@ -1,12 +1,16 @@
-"""The engine of `omnidraft serve`: one drafter/target pair serving queued requests in order.
+"""The engine of `omnidraft serve`: one drafter/target pair decoding the active requests together.
 
-Requests are queued, not batched: the decode loop speculates on one sequence
-(one drafter cache and one target cache, rolled back per round), so one engine
-owns the pair and serves requests in the order they arrive. It runs in the main
-thread (MLX does all its work there: a process whose other threads ran a model
-aborts at exit). A client that disconnects leaves the queue, or stops its
-generation at the next round. Between requests, when the queue is empty, the
-pair learns and saves (serve_learning.py).
+Up to --batch requests are active at once and progress a round at a time: each
+plans its own draft (its scheduler and guard choose drafter, lookup or none),
+one target forward verifies every draft (batch.py), and each keeps what it
+accepted and rolls its own caches back. A new request is admitted between rounds
+(its prefill then), so it starts after a round, not after the queue; beyond
+--batch, requests wait in order. The first active request uses the server's
+scheduler (what it measured across requests), the others a fork of it. The
+engine runs in the main thread (MLX does all its work there: a process whose
+other threads ran a model aborts at exit). A client that disconnects leaves the
+queue, or frees its row at the next round. When no request is active and the
+queue is empty, the pair learns and saves (serve_learning.py).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import traceback
 from typing import Callable
 
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.serve_decode import Decoder, Job
+from omnidraft_mlx.serve_decode import Decoder, Job, Running
 from omnidraft_mlx.serve_learning import Learning
 from omnidraft_mlx.serve_schema import ApiError
 
@@ -26,12 +30,12 @@ IDLE_S = 0.5  # queue empty this long: save what was learned, run a due drafter 
 
 
 class Engine:
-    """The pair's decoder and learning; serves the queued jobs in order (run())."""
+    """The pair's decoder and learning; serves the queued jobs, several at once (run())."""
 
     def __init__(self, cfg):
         self.cfg = cfg  # ServeConfig
         self.jobs: queue.Queue[Job] = queue.Queue()
-        self.current: Job | None = None
+        self.active: list[Running] = []
         self.served = self.cancelled = self.failed = 0
         self.decoder: Decoder | None = None  # set by load()
         self.learning: Learning | None = None
@@ -49,8 +53,8 @@ class Engine:
         return self.jobs.qsize()
 
     @property
-    def generating(self) -> bool:
-        return self.current is not None
+    def generating(self) -> int:
+        return len(self.active)
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -81,22 +85,28 @@ class Engine:
         self.learning = Learning(pair, profile, learner, prompt_cache)
 
     def run(self, running: Callable[[], bool]) -> None:
-        """Serve jobs while running(); between them, when idle, learn and save."""
+        """Decode the active jobs round by round while running(), admitting queued ones between
+        rounds; when nothing is active or queued, learn and save."""
         while running():
-            try:
-                job = self.jobs.get(timeout=IDLE_S if self.learning.pending else 1.0)
-            except queue.Empty:
-                if self.learning.pending:
-                    self.learning.idle()
-                continue
-            self._serve(job)
+            if not self.active:
+                try:
+                    job = self.jobs.get(timeout=IDLE_S if self.learning.pending else 1.0)
+                except queue.Empty:
+                    if self.learning.pending:
+                        self.learning.idle()
+                    continue
+                self._admit(job)
+            while len(self.active) < self.cfg.batch and not self.jobs.empty():
+                self._admit(self.jobs.get_nowait())
+            if self.active:
+                self._round()
 
     def shutdown(self) -> None:
         """The running and the queued requests get an error, not silence; then save what was learned."""
         stopping = ApiError(503, "the server is shutting down", kind="server_error")
-        if self.current is not None:
-            self.current.emit("error", stopping)
-            self.current = None
+        for running in self.active:
+            running.job.emit("error", stopping)
+        self.active = []
         while True:
             try:
                 self.jobs.get_nowait().emit("error", stopping)
@@ -104,23 +114,67 @@ class Engine:
                 break
         self.learning.save()
 
-    def _serve(self, job: Job) -> None:
+    def _admit(self, job: Job) -> None:
+        """Prefill a queued job and make it active (a cancelled one is dropped)."""
         if job.cancelled.is_set():
             self.cancelled += 1
             return
-        self.current = job
+        shared = self.decoder.scheduler
+        scheduler = shared.fork() if any(r.decoding.scheduler is shared for r in self.active) else shared
         try:
-            result, ids = self.decoder.generate(job)
-            job.emit("done", result)
-            self.served += 1
-            self.cancelled += result.finish_reason == "cancelled"
-            self.learning.observe(job.draft_ids, job.target_ids, ids)
-        except OmniDraftError as e:
-            self.failed += 1
-            job.emit("error", ApiError(400, str(e)))
-        except Exception as e:  # one bad request must not stop the server
-            self.failed += 1
-            log.error("generation failed:\n%s", traceback.format_exc())
-            job.emit("error", ApiError(500, f"internal error ({type(e).__name__}): see the server's log",
-                                       kind="server_error"))
-        self.current = None  # not when interrupted (Ctrl-C): shutdown() tells the job's client
+            self.active.append(self.decoder.start(job, scheduler))
+        except Exception as e:
+            self._fail(job, e)
+
+    def _round(self) -> None:
+        """One round of every active job: plan the drafts, verify them in one target forward, take."""
+        from omnidraft_mlx.batch import verify_together
+
+        planned = []
+        for running in list(self.active):
+            if running.job.cancelled.is_set():
+                self._finish(running)
+                continue
+            try:
+                planned.append((running, running.decoding.plan()))
+            except Exception as e:
+                self._drop(running, e)
+        if not planned:
+            return
+        try:
+            verified = verify_together([r.decoding for r, _ in planned], [tree for _, tree in planned])
+        except Exception as e:  # the caches hold what they held before: every job in the forward fails
+            for running, _ in planned:
+                self._drop(running, e)
+            return
+        for (running, _), (out, forward_s) in zip(planned, verified):
+            try:
+                over = running.take(out, forward_s, self.decoder.token_bytes)
+            except Exception as e:
+                self._drop(running, e)
+                continue
+            if over:
+                self._finish(running)
+
+    def _finish(self, running: Running) -> None:
+        self.active.remove(running)
+        result, ids = self.decoder.finish(running)
+        running.job.emit("done", result)
+        self.served += 1
+        self.cancelled += result.finish_reason == "cancelled"
+        self.learning.observe(running.job.draft_ids, running.job.target_ids, ids)
+
+    def _drop(self, running: Running, error: Exception) -> None:
+        """A job whose round failed: out of the batch, its caches not kept, its client told."""
+        self.active.remove(running)
+        self.decoder.finish(running, intact=False)
+        self._fail(running.job, error)
+
+    def _fail(self, job: Job, error: Exception) -> None:
+        self.failed += 1
+        if isinstance(error, OmniDraftError):
+            job.emit("error", ApiError(400, str(error)))
+            return
+        log.error("generation failed:\n%s", "".join(traceback.format_exception(error)))
+        job.emit("error", ApiError(500, f"internal error ({type(error).__name__}): see the server's log",
+                                   kind="server_error"))

@@ -7,8 +7,9 @@ saved. The parts, each its own module:
   serve_schema.py    the OpenAI request bodies, checked; ApiError
   serve_routes.py    the FastAPI app: routes, error bodies, the API key
   serve_replies.py   a job's events as one JSON reply or server-sent events
-  serve_engine.py    the queue: one request decoded at a time, in order
-  serve_decode.py    one request: prompts encoded, the speculative loop, its events
+  serve_engine.py    the queue and the active requests, decoded together a round at a time
+  batch.py           one target forward over the active requests' drafts
+  serve_decode.py    one request: prompts encoded, its decoding on the prompt cache, its events
   serve_text.py      the reply's text cut at stop strings, split into content and tool calls
   serve_tools.py     tools to the chat template, tool_choice, the target's tool-call parser
   serve_logprobs.py  the target's log-probabilities of the tokens it emitted
@@ -48,12 +49,14 @@ class ServeConfig:
     sources: tuple[str, ...] = SOURCES  # draft sources to choose from each round
     guard: bool = True  # decode plainly while no source is expected to pay
     tree: bool = False  # verify the drafter's next-best tokens beside its chain where that pays
+    batch: int = 8  # requests decoded together (one target forward verifies all their drafts)
 
     def __post_init__(self):
         self.sources = check_sources(self.sources)
         check_range("--max-tokens", self.max_tokens, 1)
         check_range("--cache-bytes", self.cache_bytes, 0)
         check_range("--adapt-every", self.adapt_every, 1)
+        check_range("--batch", self.batch, 1)
 
 
 def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8080, on_ready=lambda engine: None) -> None:

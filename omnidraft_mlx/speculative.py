@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_top_p
 
+from omnidraft_mlx.batch import verify_together
 from omnidraft_mlx.drafter import DrafterSource, softmax
 from omnidraft_mlx.drafts import SOURCES, Context, Draft, check_sources, point_mass
 from omnidraft_mlx.kvcache import KVSlot
@@ -201,6 +202,7 @@ class Decoding:
         self.ctx = Context(target_prompt, rng=np.random.default_rng(cfg.seed))
         t_start = time.perf_counter()
         self.target = target = target_slot or KVSlot.fresh(pair.target)
+        self.draft_slot = draft_slot
         stats.cached_tokens = min(target.common_prefix(target_prompt), len(target_prompt) - 1)
         target.reuse(pair.target, target_prompt[:-1])
         self.scheduler = scheduler or Scheduler()
@@ -250,18 +252,30 @@ class Decoding:
         self.scheduler.end_reply(self.ctx)
 
 
+def decode_together(decodings: list[Decoding]) -> Iterator[dict[int, tuple[list[int], list[bool]]]]:
+    """Rounds of every decoding in the list not done yet, all verified in one target forward
+    (batch.py); after each: {its index in the list: (new target ids, which were drafted)}.
+    The caller may change the list between rounds (replies joining, leaving); closing the
+    decodings is the caller's."""
+    while active := [(i, d) for i, d in enumerate(decodings) if not d.done]:
+        trees = [d.plan() for _, d in active]
+        verified = verify_together([d for _, d in active], trees)
+        yield {i: d.take(out, seconds) for (i, d), (out, seconds) in zip(active, verified)}
+
+
+def decode_alone(decoding: Decoding) -> Iterator[tuple[list[int], list[bool]]]:
+    """Yield (new target ids, which of them were drafted) after every round of one reply
+    (closing the decoding is the caller's)."""
+    for taken in decode_together([decoding]):
+        yield taken[0]
+
+
 def speculative_generate(pair: Pair, draft_prompt: list[int], target_prompt: list[int], cfg: SpecConfig,
                          stats: SpecStats, policy: DraftPolicy | None = None, **options
                          ) -> Iterator[tuple[list[int], list[bool]]]:
-    """Yield (new target ids, which of them were drafted) after every round: one reply
-    decoded alone (`options`: Decoding's)."""
+    """decode_alone on a new Decoding (`options`: its own)."""
     decoding = Decoding(pair, draft_prompt, target_prompt, cfg, stats, policy, **options)
     try:
-        while not decoding.done:
-            tree = decoding.plan()
-            t0 = time.perf_counter()
-            out = decoding.target.verify(pair.target, decoding.y, tree)
-            mx.eval(out)
-            yield decoding.take(out, time.perf_counter() - t0)
+        yield from decode_alone(decoding)
     finally:
         decoding.close()

@@ -2,7 +2,8 @@
 generated sequences against the target's own distribution, computed exactly
 by enumeration on tiny models with different tokenizers, for drafts from the
 model drafter (q' from its distribution), as a chain and as a token tree (its
-next-best tokens as point-mass branches), and from context lookup (a point mass).
+next-best tokens as point-mass branches), decoded beside another request in
+shared target forwards (batch.py), and from context lookup (a point mass).
 The same test must catch a deliberately biased variant, or it proves nothing."""
 
 import pytest
@@ -20,6 +21,7 @@ LENGTH, TEMP, TOP_P, SAMPLES = 3, 1.0, 0.95, 1500
 CASES = {
     "drafter": ("def add_", "drafter"),  # ~50 likely continuations: numbers, then "(x"
     "tree": ("def add_", "drafter"),  # the same, with the drafter's branches
+    "batched": ("def add_", "drafter"),  # the same, each beside another request's reply in one forward
     # "add_" was followed by "1(x)" before: lookups propose it, the target often disagrees.
     "lookup": ("def add_1(x):\n    return x + 1\n\ndef add_", "context"),
     # The drafter's one token padded with the context's continuation of it (a point mass): the
@@ -38,10 +40,12 @@ def setup(request, tiny):
     eos = set(tt.eos_token_ids) | {pair.vmap.target_eos}
 
     padded, tree = request.param == "padded", request.param == "tree"
+    beside = "print(add_" if request.param == "batched" else None
 
     def sample():
         return sample_sequences(pair, prompt, "exact", SAMPLES, LENGTH, TEMP, TOP_P, k=1 if padded else 3,
-                                sources=sources, scheduler=padding_scheduler if padded else None, tree=tree)
+                                sources=sources, scheduler=padding_scheduler if padded else None, tree=tree,
+                                beside=beside)
 
     return sample, exact_sequence_probs(tm, tp, eos, LENGTH, TEMP, TOP_P), request.param
 
