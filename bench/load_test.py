@@ -2,21 +2,24 @@
 
     python -m omnidraft_mlx.bench.load_test --out bench/results/serve-load
 
-Starts the server in its own process on a free port of 127.0.0.1 (with
---no-profile: the run neither reads nor changes the pair's profile; otherwise
-as a user runs it), then --clients clients, each sending --requests streaming
-greedy chat requests one after another (the chat task's prompts, in order,
-each client its own), with the official `openai` client. The server queues
-them (one generation at a time), so a request's latency includes its wait.
-After the server has stopped (so that both do not share the CPU), the target
-decodes every prompt plainly in this process. Checks: every reply complete
-(a finish reason, usage, `data: [DONE]`) and equal to plain greedy decoding.
-Reports latency percentiles (time to first token, whole request), throughput
-(completion tokens and requests per second of wall time) and the drafter's
-acceptance to load_test.json under --out; exits non-zero when a reply was lost
-or differs. Before the clients start, one request with a long system prompt is
-sent twice: the second's prompt comes from the server's prompt cache, and its
-time to first token is reported next to the first's.
+For each --batch value in turn (default 8, then 1: requests decoded together,
+then one at a time, the same clients and prompts), starts the server in its own
+process on a free port of 127.0.0.1 (with --no-profile: the run neither reads
+nor changes the pair's profile; otherwise as a user runs it, and --batch), then
+--clients clients, each sending --requests streaming greedy chat requests one
+after another (the chat task's prompts, in order, each client its own), with
+the official `openai` client. A request's latency includes any wait in the
+queue. After the servers have stopped (so that nothing shares the CPU), the
+target decodes every prompt plainly in this process. Checks: every reply
+complete (a finish reason, usage, `data: [DONE]`) and equal to plain greedy
+decoding. Reports, per batch size, latency percentiles (time to first token,
+whole request), throughput (completion tokens and requests per second of wall
+time) and the drafter's acceptance, and the first run's throughput and median
+first-token time against the last's, to load_test.json under --out; exits
+non-zero when a reply was lost or differs. Before the first run's clients
+start, one request with a long system prompt is sent twice: the second's
+prompt comes from the server's prompt cache, and its time to first token is
+reported next to the first's.
 """
 
 from __future__ import annotations
@@ -167,35 +170,19 @@ def percentiles(values: list[float]) -> dict | None:
     return {"p50": float(p[0]), "p90": float(p[1]), "p99": float(p[2]), "max": float(max(values)), "n": len(values)}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft", default=DEFAULT_DRAFT)
-    ap.add_argument("--target", default=DEFAULT_TARGET)
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=4, help="requests per client, one after another")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--repeat-examples", type=int, default=50,
-                    help="chat prompts in the repeated request's system prompt (its length)")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/serve-load"))
-    args = ap.parse_args(argv)
-    if min(args.clients, args.requests, args.max_tokens) < 1:
-        raise SystemExit("--clients, --requests and --max-tokens must be at least 1")
-
-    from omnidraft_mlx.bench.run import environment_base
-    from omnidraft_mlx.tasks import load_task
-
-    prompts = load_task("chat", "heldout") + load_task("chat", "adapt")
+def serve_clients(args, batch: int, prompts: list, repeat: bool) -> dict:
+    """One server (--batch batch) and the clients' requests: what happened, before comparing."""
     total = args.clients * args.requests
     requests = [Request(i % args.clients, p.id, p.messages())
                 for i, p in enumerate(prompts[j % len(prompts)] for j in range(total))]
-    args.out.mkdir(parents=True, exist_ok=True)
-    server = ServerProcess(args.draft, args.target, args.out / "server.log", "--no-profile")
+    server = ServerProcess(args.draft, args.target, args.out / f"server-batch{batch}.log", "--no-profile",
+                           "--batch", str(batch))
     try:
-        model = args.target
-        repeated = repeated_prompt(server.url, model, prompts, args.repeat_examples, args.max_tokens)
+        repeated = repeated_prompt(server.url, args.target, prompts, args.repeat_examples, args.max_tokens) \
+            if repeat else None
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=run_client,
-                                    args=(server.url, model, [r for r in requests if r.client == c], args.max_tokens, t0))
+        threads = [threading.Thread(target=run_client, args=(server.url, args.target,
+                                                             [r for r in requests if r.client == c], args.max_tokens, t0))
                    for c in range(args.clients)]
         for t in threads:
             t.start()
@@ -205,26 +192,25 @@ def main(argv=None) -> None:
         health = server.health()
     finally:
         status = server.stop()
+    return {"batch": batch, "requests": requests, "wall_s": wall_s, "server_health": health,
+            "server_exit_status": status, "repeated": repeated}
 
-    plain = plain_replies(args.target, requests, args.max_tokens)
+
+def summary(run: dict, plain: dict[str, str]) -> dict:
+    """A run's replies checked against plain decoding; its throughput, latency and drafting."""
+    requests, wall_s = run["requests"], run["wall_s"]
     complete = [r for r in requests if r.done and r.finish_reason and r.usage and not r.error]
-    equal = [r for r in complete if r.text == plain[r.prompt_id]]
     tokens = sum(r.usage["completion_tokens"] for r in complete)
     spec = [r.usage["speculative"] for r in complete]
     proposed, accepted = sum(s["proposed"] for s in spec), sum(s["accepted"] for s in spec)
     forwards = sum(s["target_forwards"] for s in spec)
-    result = {
-        "command": " ".join(["python -m omnidraft_mlx.bench.load_test", *(argv if argv is not None else sys.argv[1:])]),
-        "config": {"draft": args.draft, "target": args.target, "clients": args.clients,
-                   "repeat_examples": args.repeat_examples,
-                   "requests_per_client": args.requests, "max_tokens": args.max_tokens, "greedy": True,
-                   "server_args": ["--no-profile"]},
-        "environment": environment_base(),
-        "requests": total,
+    return {
+        "batch": run["batch"],
+        "requests": len(requests),
         "complete": len(complete),
-        "equal_to_plain": len(equal),
-        "server_exit_status": status,
-        "server_health": health,
+        "equal_to_plain": sum(r.text == plain[r.prompt_id] for r in complete),
+        "server_exit_status": run["server_exit_status"],
+        "server_health": run["server_health"],
         "wall_s": wall_s,
         "throughput": {"completion_tokens_per_s": tokens / wall_s, "requests_per_s": len(complete) / wall_s,
                        "completion_tokens": tokens},
@@ -233,21 +219,72 @@ def main(argv=None) -> None:
         "speculative": {"acceptance": accepted / proposed if proposed else None,
                         "tokens_per_target_forward": tokens / forwards if forwards else None,
                         "cached_prompt_tokens": sum(r.usage["prompt_tokens_details"]["cached_tokens"] for r in complete)},
-        "repeated_prompt": repeated,
         "records": [{**asdict(r), "equal_to_plain": r.text == plain[r.prompt_id]} for r in requests],
     }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", default=DEFAULT_DRAFT)
+    ap.add_argument("--target", default=DEFAULT_TARGET)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=4, help="requests per client, one after another")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", default="8,1", help="the server's --batch per run, in order (1: one at a time)")
+    ap.add_argument("--repeat-examples", type=int, default=50,
+                    help="chat prompts in the repeated request's system prompt (its length)")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/serve-load"))
+    args = ap.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        raise SystemExit(f"--batch: '{args.batch}' is not a comma-separated list of numbers, e.g. 8,1")
+    if min(args.clients, args.requests, args.max_tokens, *batches) < 1:
+        raise SystemExit("--clients, --requests, --max-tokens and --batch must be at least 1")
+
+    from omnidraft_mlx.bench.run import environment_base
+    from omnidraft_mlx.tasks import load_task
+
+    prompts = load_task("chat", "heldout") + load_task("chat", "adapt")
+    args.out.mkdir(parents=True, exist_ok=True)
+    served = [serve_clients(args, batch, prompts, repeat=not i) for i, batch in enumerate(batches)]
+    plain = plain_replies(args.target, served[0]["requests"], args.max_tokens)
+    runs = [summary(run, plain) for run in served]
+    first, last = runs[0], runs[-1]
+    result = {
+        "command": " ".join(["python -m omnidraft_mlx.bench.load_test", *(argv if argv is not None else sys.argv[1:])]),
+        "config": {"draft": args.draft, "target": args.target, "clients": args.clients,
+                   "repeat_examples": args.repeat_examples, "batches": batches,
+                   "requests_per_client": args.requests, "max_tokens": args.max_tokens, "greedy": True,
+                   "server_args": ["--no-profile", "--batch B"]},
+        "environment": environment_base(),
+        "runs": runs,
+        "first_over_last": {
+            "completion_tokens_per_s": first["throughput"]["completion_tokens_per_s"]
+            / max(last["throughput"]["completion_tokens_per_s"], 1e-9),
+            "first_token_p50": (first["latency_s"]["first_token"] or {}).get("p50", 0)
+            / max((last["latency_s"]["first_token"] or {}).get("p50", 0), 1e-9)},
+        "repeated_prompt": served[0]["repeated"],
+    }
     atomic_write_text(args.out / "load_test.json", json.dumps(result, indent=1))
-    lat = result["latency_s"]
-    print(f"{len(complete)}/{total} replies complete, {len(equal)} equal to plain greedy decoding; "
-          f"{result['throughput']['completion_tokens_per_s']:.1f} tokens/s, {result['throughput']['requests_per_s']:.2f} "
-          f"requests/s over {wall_s:.1f}s; first token p50 {lat['first_token']['p50']:.2f}s "
-          f"p90 {lat['first_token']['p90']:.2f}s; request p50 {lat['request']['p50']:.2f}s "
-          f"p90 {lat['request']['p90']:.2f}s; a repeated {repeated.get('prompt_tokens')}-token prompt: first token "
-          f"{repeated.get('first_token_ratio') or 0:.2f}x as late -> {args.out / 'load_test.json'}" if complete else
-          f"0/{total} replies complete -> {args.out / 'load_test.json'}")
-    if len(equal) < total or status != 0:
-        raise SystemExit(f"{total - len(complete)} replies lost or incomplete, {len(complete) - len(equal)} differ "
-                         f"from plain decoding, server exit status {status}: see {args.out / 'load_test.json'}")
+    for run in runs:
+        lat, tput = run["latency_s"], run["throughput"]
+        print(f"--batch {run['batch']}: {run['complete']}/{run['requests']} replies complete, {run['equal_to_plain']} "
+              f"equal to plain greedy decoding; {tput['completion_tokens_per_s']:.1f} tokens/s, "
+              f"{tput['requests_per_s']:.2f} requests/s over {run['wall_s']:.1f}s"
+              + (f"; first token p50 {lat['first_token']['p50']:.2f}s p90 {lat['first_token']['p90']:.2f}s; "
+                 f"request p50 {lat['request']['p50']:.2f}s p90 {lat['request']['p90']:.2f}s" if run["complete"] else ""))
+    repeated = result["repeated_prompt"]
+    print(f"--batch {first['batch']} against {last['batch']}: "
+          f"{result['first_over_last']['completion_tokens_per_s']:.2f}x the tokens/s, first token p50 "
+          f"{result['first_over_last']['first_token_p50']:.2f}x as late; a repeated {repeated.get('prompt_tokens')}-token "
+          f"prompt: first token {repeated.get('first_token_ratio') or 0:.2f}x as late -> {args.out / 'load_test.json'}")
+    bad = [run for run in runs if run["equal_to_plain"] < run["requests"] or run["server_exit_status"] != 0]
+    if bad:
+        raise SystemExit("; ".join(f"--batch {run['batch']}: {run['requests'] - run['complete']} replies lost or "
+                                   f"incomplete, {run['complete'] - run['equal_to_plain']} differ from plain decoding, "
+                                   f"server exit status {run['server_exit_status']}" for run in bad)
+                         + f": see {args.out / 'load_test.json'}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ class Engine:
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.active: list[Running] = []
         self.served = self.cancelled = self.failed = 0
+        self.most_active = 0  # the most requests decoded together so far
         self.decoder: Decoder | None = None  # set by load()
         self.learning: Learning | None = None
 
@@ -141,6 +142,7 @@ class Engine:
                 self._drop(running, e)
         if not planned:
             return
+        self.most_active = max(self.most_active, len(planned))
         try:
             verified = verify_together([r.decoding for r, _ in planned], [tree for _, tree in planned])
         except Exception as e:  # the caches hold what they held before: every job in the forward fails

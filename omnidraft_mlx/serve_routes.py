@@ -93,7 +93,7 @@ def make_app(engine) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": cfg.target, "draft": cfg.draft, "generating": engine.generating,
-                "queued": engine.queued, "served": engine.served, "cancelled": engine.cancelled,
+                "most_active": engine.most_active, "batch": cfg.batch, "queued": engine.queued, "served": engine.served, "cancelled": engine.cancelled,
                 "failed": engine.failed, "profile_saves": engine.learning.saves, "ngrams": len(engine.pair.ngrams),
                 "prompt_cache_bytes": engine.decoder.prompt_cache.nbytes}
 

@@ -146,7 +146,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     assert server.health()["failed"] == 0  # none of those reached the engine as a failure
 
 
-def test_concurrent_clients_are_all_served_and_a_disconnect_stops_its_generation(server, client, model, tiny):
+def test_concurrent_clients_are_decoded_together_and_a_disconnect_leaves_the_others_unchanged(server, client, model,
+                                                                                               tiny):
     before = idle(server)
     prompts = ["def add_3(x):", "print(add_", "def add_7(x):", "print(add_7(21))"]
     expected = {p: chat_greedy(tiny, [{"role": "user", "content": p}], 20)[1] for p in prompts}
@@ -176,6 +177,7 @@ def test_concurrent_clients_are_all_served_and_a_disconnect_stops_its_generation
         t.join(300)
     assert not errors and got == expected
     after = idle(server)
+    assert after["most_active"] > 1  # the replies were decoded together
     assert after["cancelled"] == before["cancelled"] + 1
     assert after["served"] == before["served"] + len(prompts) + 1 and after["failed"] == 0
 
@@ -242,8 +244,12 @@ def test_the_load_test_runs_on_the_tiny_pair(tiny_dirs, tmp_path):
     load_test(["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--clients", "3",
                "--requests", "2", "--max-tokens", "16", "--repeat-examples", "15", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "load_test.json").read_text())
-    assert result["requests"] == result["complete"] == result["equal_to_plain"] == 6
-    assert result["latency_s"]["request"]["n"] == 6 and result["throughput"]["completion_tokens"] > 0
+    assert [run["batch"] for run in result["runs"]] == [8, 1]  # together, then one at a time
+    for run in result["runs"]:
+        assert run["requests"] == run["complete"] == run["equal_to_plain"] == 6
+        assert run["latency_s"]["request"]["n"] == 6 and run["throughput"]["completion_tokens"] > 0
+    assert result["runs"][0]["server_health"]["most_active"] > 1 == result["runs"][1]["server_health"]["most_active"]
+    assert result["first_over_last"]["completion_tokens_per_s"] > 0
     repeated = result["repeated_prompt"]
     assert repeated["same_reply"] and repeated["cached_tokens"][1] == repeated["prompt_tokens"] - 1
 
