@@ -57,7 +57,8 @@ class ServerProcess:
         argv = [sys.executable, "-m", "omnidraft_mlx.cli.main", "serve", "--draft", draft, "--target", target,
                 "--port", str(self.port), *args]
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(argv, env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}, stdout=out,
+                                         stderr=subprocess.STDOUT)
         deadline = time.monotonic() + start_s
         while True:
             if self.proc.poll() is not None:
@@ -77,13 +78,19 @@ class ServerProcess:
         return httpx.get(self.url + "/health", timeout=30).json()
 
     def stop(self) -> int:
-        """Ctrl-C (the server saves what it learned and exits); its exit status."""
+        """SIGTERM, which stops it as Ctrl-C does (the server saves what it learned and exits), and
+        reaches it where Ctrl-C would not (a shell starts background jobs with SIGINT ignored); its
+        exit status."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+            except subprocess.TimeoutExpired:  # stuck: its threads' stacks into the log, then killed
+                self.proc.send_signal(signal.SIGABRT)
+                try:
+                    self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
         return self.proc.wait()
 
 

@@ -35,7 +35,7 @@ def server(tiny_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     srv = start(tiny_dirs, root / "home", root / "server.log", "--api-key", KEY, "--max-tokens", "32")
     yield srv
-    assert srv.stop() == 0, srv.log.read_text()  # Ctrl-C: a clean exit
+    assert srv.stop() == 0, srv.log.read_text()  # SIGTERM, as Ctrl-C: a clean exit
 
 
 @pytest.fixture(scope="module")
