@@ -7,8 +7,9 @@ each measured step is the target's reply: a write_file call with the whole file,
 or the whole file in a code block. The harness applies it, runs the problem's
 own tests on it in a subprocess with a timeout (as HumanEval's harness does)
 and returns their output as a tool message; once they pass, the next step asks
-for a change (usecases.EDITS). The target's plain greedy replies decide the
-conversation (decoded here, untimed), so every method decodes the same steps.
+for a change (usecases.EDITS). The target's greedy replies decide the
+conversation (decoded here, untimed, by the lossless speculative loop), so
+every method decodes the same steps.
 Prompts render with the tools through the target's chat template, as the
 server renders them; run.py decodes our methods' steps on a prompt cache and a
 history index kept across steps, as the server keeps them across requests.

@@ -16,7 +16,6 @@ import re
 from pathlib import Path
 
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.generate import PlainStats, plain_generate
 from omnidraft_mlx.serve_tools import ToolPlan, encode
 from omnidraft_mlx.tasks import Prompt, load_task
 
@@ -54,10 +53,14 @@ def prompt_ids(pair, prompt: Prompt) -> tuple[list[int], list[int]]:
 
 
 def greedy_reply(pair, prompt: Prompt, max_tokens: int) -> str:
-    """The target's plain greedy reply: what later turns of a scripted conversation build on."""
-    ids = prompt_ids(pair, prompt)[1]
-    out = list(plain_generate(pair.target, pair.target_tok, ids, PlainStats(), max_tokens=max_tokens))
-    return pair.target_tok.decode(out)
+    """The target's greedy reply: what later turns of a scripted conversation build on.
+    Decoded here, untimed, by the speculative loop: greedy, its output is the target's own
+    (sooner than plain decoding, which a run times on the turns it measures)."""
+    from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+
+    cfg = SpecConfig(max_tokens=max_tokens)
+    return pair.target_tok.decode([t for new, _ in speculative_generate(pair, *prompt_ids(pair, prompt), cfg,
+                                                                        SpecStats()) for t in new])
 
 
 def multiturn_prompts(n: int, pair, max_tokens: int) -> list[Prompt]:

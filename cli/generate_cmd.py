@@ -140,7 +140,7 @@ def _speculate(drafter, target, cfg, draft_policy: DraftPolicy, profile, printer
         profile.attach_policy(draft_policy)
         history = profile.attach_history()
     try:
-        for new, drafted in speculative_generate(pair, draft_ids, target_ids, cfg, stats, draft_policy, history):
+        for new, drafted in speculative_generate(pair, draft_ids, target_ids, cfg, stats, draft_policy, history=history):
             out.add(new, drafted)
     finally:
         out.finish()

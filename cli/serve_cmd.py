@@ -23,7 +23,8 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OMNIDRAFT_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on /v1/ requests."),
     cache_bytes: int = typer.Option(DEFAULT_CACHE_BYTES, "--cache-bytes",
-                                    help="Memory for cached prompts (both models' KV caches), in bytes."),
+                                    help="Memory for KV caches (both models'), in bytes: the requests being "
+                                    "decoded first, cached prompts in what they leave."),
     k: int = typer.Option(4, "--k", "-k", help="Draft tokens per round."),
     policy: str = typer.Option("learned", "--policy", help="Draft length: learned, fixed, confidence or heuristic."),
     gamma: str = typer.Option("auto", "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this."),

@@ -56,6 +56,10 @@ class PromptCache:
     def _draft_key(self) -> str:
         return f"draft@{self.drafter_version}"
 
+    def make_room(self, n_bytes: int) -> None:
+        """Keep at most n_bytes of cached prompts (least recently stored out first)."""
+        self.lru.trim_to(n_bytes=n_bytes)
+
     def drafter_changed(self) -> None:
         self.drafter_version += 1
 

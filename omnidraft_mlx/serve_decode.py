@@ -140,6 +140,17 @@ class Running:
     ttft: float | None = None
     finish: str | None = None  # set when the reply is over
 
+    @property
+    def nbytes(self) -> int:
+        """What its caches (both models') hold now."""
+        slots = (self.decoding.target, self.decoding.draft_slot)
+        return sum(c.nbytes for slot in slots if slot is not None for c in slot.cache)
+
+    @property
+    def length(self) -> int:
+        """Target tokens in its caches when its reply is as long as it may get."""
+        return len(self.job.target_ids) + self.job.spec.max_tokens
+
     def take(self, out, forward_s: float, token_bytes) -> bool:
         """A round's logits (Decoding.take) -> the reply's events; whether the reply is over."""
         job = self.job

@@ -5,7 +5,9 @@ plans its own draft (its scheduler and guard choose drafter, lookup or none),
 one target forward verifies every draft (batch.py), and each keeps what it
 accepted and rolls its own caches back. A new request is admitted between rounds
 (its prefill then), so it starts after a round, not after the queue; beyond
---batch, requests wait in order. The first active request uses the server's
+--batch, or when its caches at full length would not fit in --cache-bytes
+beside the active requests' (the prompt cache gives way to them), requests
+wait in order. The first active request uses the server's
 scheduler (what it measured across requests), the others a fork of it. The
 engine runs in the main thread (MLX does all its work there: a process whose
 other threads ran a model aborts at exit). A client that disconnects leaves the
@@ -97,7 +99,8 @@ class Engine:
                         self.learning.idle()
                     continue
                 self._admit(job)
-            while len(self.active) < self.cfg.batch and not self.jobs.empty():
+            # Only this thread takes jobs out: the queue's head stays while it is looked at.
+            while len(self.active) < self.cfg.batch and not self.jobs.empty() and self._fits(self.jobs.queue[0]):
                 self._admit(self.jobs.get_nowait())
             if self.active:
                 self._round()
@@ -115,6 +118,15 @@ class Engine:
                 break
         self.learning.save()
 
+    def _fits(self, job: Job) -> bool:
+        """Room in --cache-bytes for the active requests' caches and this job's, each at its
+        longest, at the bytes per token the active ones hold now."""
+        held = sum(r.nbytes for r in self.active)
+        tokens = sum(len(r.decoding.target.tokens) for r in self.active)
+        per_token = held / tokens if tokens else 0.0
+        return per_token * (sum(r.length for r in self.active) + len(job.target_ids) + job.spec.max_tokens) \
+            <= self.cfg.cache_bytes
+
     def _admit(self, job: Job) -> None:
         """Prefill a queued job and make it active (a cancelled one is dropped)."""
         if job.cancelled.is_set():
@@ -126,6 +138,8 @@ class Engine:
             self.active.append(self.decoder.start(job, scheduler))
         except Exception as e:
             self._fail(job, e)
+        # The prompt cache keeps what the active requests' caches leave of the budget.
+        self.decoder.prompt_cache.make_room(self.cfg.cache_bytes - sum(r.nbytes for r in self.active))
 
     def _round(self) -> None:
         """One round of every active job: plan the drafts, verify them in one target forward, take."""

@@ -146,40 +146,65 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     assert server.health()["failed"] == 0  # none of those reached the engine as a failure
 
 
-def test_concurrent_clients_are_decoded_together_and_a_disconnect_leaves_the_others_unchanged(server, client, model,
-                                                                                               tiny):
-    before = idle(server)
-    prompts = ["def add_3(x):", "print(add_", "def add_7(x):", "print(add_7(21))"]
-    expected = {p: chat_greedy(tiny, [{"role": "user", "content": p}], 20)[1] for p in prompts}
+def ask_together(client, model, prompts: list[str], max_tokens: int, started=lambda: None) -> dict[str, str]:
+    """Each prompt's streamed reply, the requests sent at once (started() runs once they are sent)."""
     got, errors = {}, []
 
     def ask(prompt):
         try:
             stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                    max_tokens=20, stream=True)
+                                                    max_tokens=max_tokens, stream=True)
             got[prompt] = "".join(c.choices[0].delta.content or "" for c in stream)
         except Exception as e:  # reported below, with the others
             errors.append(e)
 
-    # One client starts a long reply and goes away after its first tokens.
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    started()
+    for t in threads:
+        t.join(300)
+    assert not errors
+    return got
+
+
+def test_concurrent_clients_are_decoded_together_and_a_disconnect_leaves_the_others_unchanged(server, client, model,
+                                                                                               tiny):
+    before = idle(server)
+    prompts = ["def add_3(x):", "print(add_", "def add_7(x):", "print(add_7(21))"]
+    expected = {p: chat_greedy(tiny, [{"role": "user", "content": p}], 20)[1] for p in prompts}
+    # One client starts a long reply and goes away after its first tokens, while the others are decoded.
     long = {"messages": [{"role": "user", "content": "def add_1(x):"}], "max_tokens": 1900, "stream": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=long, timeout=300,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
-        for t in threads:
-            t.start()
-        for line in lines:
-            if '"content": "' in line:
-                break
-    for t in threads:
-        t.join(300)
-    assert not errors and got == expected
+
+        def leave():
+            for line in lines:
+                if '"content": "' in line:
+                    break
+
+        got = ask_together(client, model, prompts, 20, started=leave)
+    assert got == expected
     after = idle(server)
     assert after["most_active"] > 1  # the replies were decoded together
     assert after["cancelled"] == before["cancelled"] + 1
     assert after["served"] == before["served"] + len(prompts) + 1 and after["failed"] == 0
+
+
+def test_requests_whose_caches_would_not_fit_wait_their_turn(tiny_dirs, tiny, tmp_path):
+    """--cache-bytes bounds the active requests' caches too: with room for one, one at a time."""
+    srv = start(tiny_dirs, tmp_path / "home", tmp_path / "server.log", "--cache-bytes", "1", "--no-profile")
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        prompts = ["def add_3(x):", "print(add_", "def add_7(x):"]
+        expected = {p: chat_greedy(tiny, [{"role": "user", "content": p}], 16)[1] for p in prompts}
+        assert ask_together(client, str(tiny_dirs["target"]), prompts, 16) == expected
+        health = idle(srv)
+        assert health["served"] == 3 and health["most_active"] == 1 and health["prompt_cache_bytes"] <= 1
+    finally:
+        assert srv.stop() == 0, srv.log.read_text()
 
 
 def test_only_health_goes_without_the_key(server, model):
