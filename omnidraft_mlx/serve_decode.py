@@ -1,5 +1,6 @@
-"""One request's decode for `omnidraft serve`: its prompts encoded, the speculative loop run on
-the prompt cache, and its text streamed back to the request as events.
+"""One request's decode for `omnidraft serve`: its prompts encoded, its decoding started on
+the prompt cache (a Running job: the engine verifies its rounds beside other requests'), and
+its text streamed back to the request as events.
 
 A Job carries a request from the HTTP thread to the engine's thread; the decode
 emits events as rounds finish: ("text", piece) cut at the request's stop

@@ -5,9 +5,12 @@ from its vocabulary, or one looked up for free: drafts.py, drafter.py,
 lookup.py; the scheduler picks, or no draft at all when none pays) -> one
 target forward over all of it -> verify (the longest acceptable prefix, plus
 one token of the target's own) -> trim the target's cache back to what was
-kept -> settle (the source learns, statistics) -> yield. The target's tokens are
-the truth: at temperature 0 the output equals the target's own greedy output,
-and sampled output has the target's distribution.
+kept -> settle (the source learns, statistics) -> yield. A Decoding is one
+reply between rounds (plan, then take the target's logits), so that one target
+forward can verify the rounds of several replies (decode_together, batch.py:
+concurrent requests). The target's tokens are the truth: at temperature 0 the
+output equals the target's own greedy output, and sampled output has the
+target's distribution.
 """
 
 from __future__ import annotations
