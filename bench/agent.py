@@ -183,17 +183,19 @@ def _args(openai_call: dict) -> dict:
     return args if isinstance(args, dict) else {}
 
 
-def episode(problem: Problem, pair, max_tokens: int) -> list[AgentStep]:
-    """AGENT_STEPS steps on one problem, each conversation built on the target's greedy replies."""
+def episode(problem: Problem, pair, max_tokens: int, replied=lambda what: None) -> list[AgentStep]:
+    """AGENT_STEPS steps on one problem, each conversation built on the target's greedy replies
+    (replied(step id) after each)."""
     space, conversation, steps = Workspace(problem), opening(problem), []
     for step in range(1, AGENT_STEPS + 1):
         steps.append(AgentStep(f"agent/{problem.id}/{step}", "agent", "", context=tuple(conversation), tools=TOOLS))
         if step < AGENT_STEPS:
             conversation += answered(space, pair.target_tok, greedy_reply(pair, steps[-1], max_tokens), step)
+            replied(steps[-1].id)
     return steps
 
 
-def agent_prompts(n: int, pair, max_tokens: int) -> list[Prompt]:
-    """The steps of n episodes, episode after episode."""
-    return [step for problem in problems(n) for step in episode(problem, pair, max_tokens)]
+def agent_prompts(n: int, pair, max_tokens: int, replied=lambda what: None) -> list[Prompt]:
+    """The steps of n episodes, episode after episode (n * (AGENT_STEPS - 1) replies built on)."""
+    return [step for problem in problems(n) for step in episode(problem, pair, max_tokens, replied)]
 

@@ -38,7 +38,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from omnidraft_mlx.bench.report import prompt_speedup
-from omnidraft_mlx.bench.agent import agent_prompts
+from omnidraft_mlx.bench.agent import AGENT_STEPS, agent_prompts
 from omnidraft_mlx.bench.usecases import USE_CASES, edit_prompts, file_prompts, multiturn_prompts, prompt_ids
 from omnidraft_mlx.tasks import TASKS, Prompt, check_task, load_task
 from omnidraft_mlx.errors import OmniDraftError
@@ -193,16 +193,32 @@ def make_policies(cfg: BenchConfig, methods: list[Method], profile: dict | None,
     return policies
 
 
-def select_prompts(cfg: BenchConfig, pair) -> list[Prompt]:
+def built_replies(progress, task: str, total: int):
+    """replied(what) for the builders of scripted conversations: their earlier replies take
+    minutes to decode, shown as progress."""
+    if progress is None:
+        return lambda what: None
+    bar = progress.add_task(f"{task}: replies to build on", total=total)
+
+    def replied(what: str) -> None:
+        progress.update(bar, description=f"{what} (a reply to build on)")
+        progress.advance(bar)
+
+    return replied
+
+
+def select_prompts(cfg: BenchConfig, pair, progress=None) -> list[Prompt]:
     """Held-out prompts (and the user's), tasks interleaved (code, math, chat, code, ...)."""
     per_task = []
     for task in cfg.tasks:
         if task == "edit":
             prompts = edit_prompts(cfg.prompts)
         elif task == "multiturn":
-            prompts = multiturn_prompts(cfg.prompts, pair, cfg.max_tokens)
+            replied = built_replies(progress, task, 2 * ((cfg.prompts + 1) // 2))
+            prompts = multiturn_prompts(cfg.prompts, pair, cfg.max_tokens, replied)
         elif task == "agent":
-            prompts = agent_prompts(cfg.prompts, pair, cfg.max_tokens)
+            replied = built_replies(progress, task, cfg.prompts * (AGENT_STEPS - 1))
+            prompts = agent_prompts(cfg.prompts, pair, cfg.max_tokens, replied)
         else:
             prompts = load_task(task, "heldout")
             if cfg.shortest:
@@ -470,7 +486,7 @@ def load_pair(cfg: BenchConfig):
 def run_bench(cfg: BenchConfig, progress=None) -> dict:
     """Decode every selected prompt with every method; the records and the environment."""
     pair, profile, history = load_pair(cfg)
-    prompts = select_prompts(cfg, pair)
+    prompts = select_prompts(cfg, pair, progress)
     methods = methods_for(cfg, pair.vmap.same_vocab)
     policies = make_policies(cfg, methods, profile, pair.vmap)
     ngrams_at_start, env = len(pair.ngrams), environment(cfg)

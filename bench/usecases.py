@@ -63,9 +63,10 @@ def greedy_reply(pair, prompt: Prompt, max_tokens: int) -> str:
                                                                         SpecStats()) for t in new])
 
 
-def multiturn_prompts(n: int, pair, max_tokens: int) -> list[Prompt]:
+def multiturn_prompts(n: int, pair, max_tokens: int, replied=lambda what: None) -> list[Prompt]:
     """n prompts: turns 2 and 3 of n/2 conversations (the tasks taken in turn); the
-    earlier replies are the target's own greedy replies (decoded here, untimed)."""
+    earlier replies are the target's own greedy replies (decoded here, untimed; replied(id)
+    after each of the 2 a conversation)."""
     firsts = [p for group in zip(*(load_task(t, "heldout") for t in FOLLOW_UPS)) for p in group][: (n + 1) // 2]
     prompts = []
     for first in firsts:
@@ -76,6 +77,7 @@ def multiturn_prompts(n: int, pair, max_tokens: int) -> list[Prompt]:
             if turn < 3:
                 reply = greedy_reply(pair, Prompt(first.id, first.task, text, context=tuple(context)), max_tokens)
                 context += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+                replied(f"multiturn/{first.id}/{turn}")
     return prompts[:n]
 
 

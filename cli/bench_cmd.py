@@ -43,8 +43,8 @@ class _LogLines:
     """Progress as one plain stderr line per finished run (a log file gets no bar)."""
 
     def __init__(self):
-        self.total = self.done = 0
-        self.what, self.start = "", 0.0
+        self.tasks: list[list] = []  # per task: what it is doing, its total, how many are done
+        self.start = 0.0
 
     def __enter__(self):
         import time
@@ -56,18 +56,19 @@ class _LogLines:
         return False
 
     def add_task(self, description: str, total: int = 0) -> int:
-        self.what, self.total = description, total
-        return 0
+        self.tasks.append([description, total, 0])
+        return len(self.tasks) - 1
 
     def update(self, task: int, description: str = "") -> None:
-        self.what = description or self.what
+        self.tasks[task][0] = description or self.tasks[task][0]
 
     def advance(self, task: int, n: int = 1) -> None:
         import sys
         import time
 
-        self.done += n
-        print(f"bench {self.done}/{self.total}: {self.what} done ({time.perf_counter() - self.start:.0f} s)",
+        what, total, done = self.tasks[task]
+        self.tasks[task][2] = done = done + n
+        print(f"bench {done}/{total}: {what} done ({time.perf_counter() - self.start:.0f} s)",
               file=sys.stderr, flush=True)
 
 
