@@ -19,7 +19,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from omnidraft_mlx.kvcache import KVSlot
-from omnidraft_mlx.tree import TokenTree, attention_mask, positions_rope, tree_keys
+from omnidraft_mlx.tree import TokenTree, positions_rope, tree_mask
 
 
 class RowsView:
@@ -45,7 +45,7 @@ class RowsView:
         mask = np.zeros((len(self.rows), 1, N, width), bool)
         mask[:, :, :, 0] = True  # padding rows attend somewhere (their output is dropped)
         for i, (length, (depth, ancestors)) in enumerate(zip(self.lengths, self.rows)):
-            own = np.array(attention_mask(*tree_keys(length, depth, ancestors), window))
+            own = np.array(tree_mask(length, depth, ancestors, window))
             mask[i, 0, : own.shape[0], : own.shape[1]] = own
         return mx.array(mask)
 

@@ -21,17 +21,13 @@ import numpy as np
 
 from omnidraft_mlx.align import as_draft_tokens, byte_ends, common_prefix, spelled_bytes
 from omnidraft_mlx.drafts import Context, Draft, DraftSource
-from omnidraft_mlx.kvcache import KVSlot, trim_cache
+from omnidraft_mlx.kvcache import KVSlot
 from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.policy import DraftPolicy
 from omnidraft_mlx.translate import complete_utf8, translate_text, translate_tokens
-from omnidraft_mlx.tree import attention
 
 
 BRANCHES = 3  # next-best drafter tokens per drafted position offered as branches (trees)
-DEEPENED = 4  # the likeliest of them continued by the drafter,
-DEPTH = 2  # this many tokens further,
-DEEPEN_FROM = 0.02  # if the drafter gives them this chance of being reached and taken
 
 
 def output_head(model):
@@ -138,11 +134,10 @@ class DrafterSource(DraftSource):
     def propose(self, ctx: Context, limit: int, guess: list[int] = ()) -> Draft:
         forwards, catch_up = self.state.forwards, len(ctx.committed) != self.in_step
         logits, hidden = self.state.sync(bytes(ctx.text), ctx.committed)
-        base = len(self.state.slot.tokens)  # the position of the first drafted token
         ids, probs, feats, seen = self._draft(logits, hidden, min(limit, self.policy.max_len), ctx.rng,
                                               as_draft_tokens(guess, self.pair.vmap, self.pair.draft_tok))
         tokens, spans, used = self._translate(ids)
-        branches, expected = self._branches(ids, seen, used, base) if self.tree else ([], 0.0)
+        branches, expected = self._branches(ids, seen, used) if self.tree else ([], 0.0)
         ids = ids[:used]
 
         def q(n: int, t: int) -> np.ndarray:
@@ -169,57 +164,18 @@ class DrafterSource(DraftSource):
         tr = translate_tokens(ids, self.pair.vmap, self.ngrams)
         return tr.target_ids, tr.spans, tr.consumed
 
-    def _branches(self, ids: list[int], seen: list[np.ndarray], used: int, base: int) -> tuple[list, float]:
-        """The drafter's next-best tokens at each drafted position, the likeliest continued by the
-        drafter (_deepen), as branches: each node the draft up to there then the branch's tokens,
-        in target tokens, scored by the drafter's chance that the target gets there and takes it;
-        and the tokens of the chain it expects to be accepted."""
-        nodes, reach, expected = [], 1.0, 0.0  # (score, draft ids from the round's first)
+    def _branches(self, ids: list[int], seen: list[np.ndarray], used: int) -> tuple[list, float]:
+        """The drafter's next-best tokens at each drafted position as branches (the draft up to
+        there, then that token, in target tokens), each scored by the drafter's chance that the
+        target gets there and takes it; and the tokens of the chain it expects to be accepted."""
+        branches, reach, expected = [], 1.0, 0.0
         for i, probs in enumerate(seen[:used]):
             for alt in np.argpartition(-probs, BRANCHES)[: BRANCHES + 1].tolist():
                 if alt != ids[i] and probs[alt] > 0:
-                    nodes.append((reach * float(probs[alt]), ids[:i] + [alt]))
+                    branches.append((reach * float(probs[alt]), lambda ids=ids[:i] + [alt]: self._translate(ids)[0]))
             reach *= float(probs[ids[i]])
             expected += reach
-        nodes += self._deepen(sorted(nodes, key=lambda n: -n[0])[:DEEPENED], base)
-        return [(score, lambda path=path: self._translate(path)[0]) for score, path in nodes], expected
-
-    def _deepen(self, roots: list[tuple[float, list[int]]], base: int) -> list[tuple[float, list[int]]]:
-        """Each root branch continued with the drafter's likeliest next tokens, DEPTH deep (EAGLE-2's
-        dynamic tree): per depth one drafter forward over every branch's last token, which sees the
-        cached context, the drafted tokens before its branch and its branch (`base`: the position of
-        the round's first drafted token). The drafter's cache is left as it was."""
-        vmap, cache = self.pair.vmap, self.state.slot.cache
-        live = [(score, path) for score, path in roots if score >= DEEPEN_FROM and self._continues(path[-1])]
-        start, nodes = cache[0].offset, []
-        k_pos, fed = np.arange(start), [[] for _ in live]  # every cached key's position; each branch's rows
-        try:
-            for _ in range(DEPTH if live else 0):
-                offset, n = cache[0].offset, len(live)
-                q_pos = np.array([base + len(path) - 1 for _, path in live])
-                k_pos = np.concatenate([k_pos, q_pos])
-                visible = np.zeros((n, offset + n), bool)
-                for row, ((_, path), rows) in enumerate(zip(live, fed)):
-                    visible[row, : base + len(path) - len(rows) - 1] = True  # context and the chain before it
-                    visible[row, rows + [offset + row]] = True
-                    rows.append(offset + row)
-                with attention(self.pair.draft, cache, q_pos, k_pos, visible):
-                    logits = self.pair.draft(mx.array([[path[-1] for _, path in live]]), cache=cache)[0]
-                self.state.forwards += 1
-                probs = softmax(logits, 1.0)[:, : len(vmap.draft_to_target)]
-                best = probs.argmax(axis=-1).tolist()
-                live = [(score * float(probs[row, d]), path + [d]) for row, ((score, path), d) in enumerate(zip(live, best))]
-                nodes += live
-                kept = [row for row, (_, path) in enumerate(live) if self._continues(path[-1])]
-                live, fed = [live[row] for row in kept], [fed[row] for row in kept]
-        finally:
-            trim_cache(cache, cache[0].offset - start)
-        return nodes
-
-    def _continues(self, d: int) -> bool:
-        """Can a draft go on after draft token d? (not after an end of sequence, nor, translating by
-        text, after a token without bytes of its own)"""
-        return d not in self.pair.vmap.draft_eos and not (self.by_text and self.pair.vmap.draft_bytes[d] is None)
+        return branches, expected
 
     def _read(self, ids: list[int], guess: list[int], ahead: list) -> tuple[mx.array, mx.array]:
         """Logits and hidden state after the draft so far: while it follows the guess, from one
@@ -254,7 +210,9 @@ class DrafterSource(DraftSource):
             ids.append(d), probs.append(q), feats.append(f)
             if self.tree:
                 seen.append(softmax(logits, 1.0)[: len(vmap.draft_to_target)] if q is None else q)
-            if not self._continues(d):
+            if d in vmap.draft_eos:
+                break
+            if self.by_text and vmap.draft_bytes[d] is None:
                 break
             if not self.by_text:
                 t = translate_tokens(ids, vmap, self.ngrams)

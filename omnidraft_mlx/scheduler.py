@@ -83,7 +83,6 @@ class Scheduler:
         self.round = 0
         self.sources: list = []
         self.guard = True
-        self.tree = False  # lookups not chosen become branches of the chosen draft
         self.rival: float | None = None  # the best rate among the options not chosen this round
         self.looked_up = False  # this round verifies a lookup (scored in shadow, not rated)
         self.measured = False  # the verification cost per draft length seeded from widths.py
@@ -99,14 +98,13 @@ class Scheduler:
         other.sources, other.pending = [], []
         return other
 
-    def begin_reply(self, sources: list, guard: bool, ctx: Context, target=None, slot=None, tree: bool = False) -> None:
+    def begin_reply(self, sources: list, guard: bool, ctx: Context, target=None, slot=None) -> None:
         """This reply's sources (their prompt processing: prefill); given the target and its
-        cache, the first reply starts from the measured cost of each draft length (widths.py).
-        tree: the lookups not chosen in a round are offered as branches of the chosen draft."""
+        cache, the first reply starts from the measured cost of each draft length (widths.py)."""
         if target is not None and not self.measured:
             self.verify.seed(verify_costs(target, slot))
             self.measured = True
-        self.sources, self.guard, self.pending, self.tree = sources, guard, [], tree
+        self.sources, self.guard, self.pending = sources, guard, []
         for s in sources:
             s.start(ctx)
 
@@ -167,9 +165,6 @@ class Scheduler:
         else:
             draft = choice if isinstance(choice, Draft) else choice.propose(ctx, limit, free[guess].tokens if guess else [])
         draft = self._pad(draft, ctx, limit - 1)
-        if self.tree:  # the other lookups may hold where the draft does not: scored by how their kind holds
-            draft.branches = draft.branches + [(hold.held / hold.drafts, lambda d=d: d.tokens) for d in free.values()
-                                               if d is not draft and (hold := self.holds.get(d.source)) and hold.drafts]
         self._branch(draft)
         return draft
 

@@ -50,7 +50,7 @@ class SpecConfig:
     sources: tuple[str, ...] = SOURCES  # draft sources to choose from each round
     guard: bool = True  # decode plainly while no source is expected to pay
     lookup_len: int = 8  # most tokens a lookup proposes
-    tree: bool = False  # other continuations (the drafter's next-best, other lookups) as branches where they pay
+    tree: bool = False  # the drafter's next-best tokens as branches, verified in the same forward where they pay
 
     def __post_init__(self):
         self.sources = check_sources(self.sources)
@@ -210,7 +210,7 @@ class Decoding:
         target.reuse(pair.target, target_prompt[:-1])
         self.scheduler = scheduler or Scheduler()
         self.scheduler.begin_reply(make_sources(pair, draft_prompt, cfg, policy, history, draft_slot, learn_history),
-                                   cfg.guard, self.ctx, pair.target, target, cfg.tree)
+                                   cfg.guard, self.ctx, pair.target, target)
         stats.prompt_tokens = len(target_prompt)
         stats.prefill_s = time.perf_counter() - t_start
         self.t_gen, self.y = time.perf_counter(), target_prompt[-1]  # y: the last token, the next forward's root

@@ -79,20 +79,14 @@ class TokenTree:
         return depth, ancestors
 
 
-def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, visible: np.ndarray, window: int | None) -> mx.array:
-    """Which keys (at positions k_pos) each query (at q_pos) attends to: the visible ones, within the window."""
-    mask = visible.copy()
+def tree_mask(offset: int, depth: np.ndarray, ancestors: np.ndarray, window: int | None) -> mx.array:
+    """Which keys each tree row attends to: the cached prefix (within the window) and its ancestors."""
+    q_pos = offset + depth
+    k_pos = np.concatenate([np.arange(offset), q_pos])
+    mask = np.concatenate([np.ones((len(depth), offset), bool), ancestors], axis=1)
     if window:
         mask &= (q_pos[:, None] - k_pos[None, :]) < window
     return mx.array(mask)
-
-
-def tree_keys(offset: int, depth: np.ndarray, ancestors: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For the rows of a tree after `offset` cached tokens: their positions, every key's position,
-    and the keys each row sees (the cached prefix and its ancestors)."""
-    q_pos = offset + depth
-    visible = np.concatenate([np.ones((len(depth), offset), bool), ancestors], axis=1)
-    return q_pos, np.concatenate([np.arange(offset), q_pos]), visible
 
 
 class PositionsRoPE:
@@ -123,24 +117,19 @@ def positions_rope(model, positions: mx.array):
 
 
 @contextmanager
-def attention(model, cache: list, q_pos: np.ndarray, k_pos: np.ndarray, visible: np.ndarray):
-    """For one forward of len(q_pos) tokens after what the cache holds: token i at position q_pos[i],
-    attending to the keys visible[i] marks (k_pos: every key's position, the new tokens' last)."""
+def tree_attention(model, cache: list, tree: TokenTree):
+    """For one forward over [root, *tree.tokens]: ancestor masks and per-token positions."""
+    depth, ancestors = tree.rows()
     for c in cache:
         def make_mask(N, return_array=False, window_size=None, c=c):
-            return attention_mask(q_pos, k_pos, visible, window_size or getattr(c, "window", None))
+            return tree_mask(c.offset, depth, ancestors, window_size or getattr(c, "window", None))
         c.make_mask = make_mask
     try:
-        with positions_rope(model, mx.array(q_pos)[None]):
+        with positions_rope(model, mx.array(cache[0].offset + depth)[None]):
             yield
     finally:
         for c in cache:
             del c.make_mask
-
-
-def tree_attention(model, cache: list, tree: TokenTree):
-    """For one forward over [root, *tree.tokens]: ancestor masks and per-token positions."""
-    return attention(model, cache, *tree_keys(cache[0].offset, *tree.rows()))
 
 
 def tree_forward(model, cache: list, root: int, tree: TokenTree) -> mx.array:

@@ -13,12 +13,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from omnidraft_mlx.batch import batch_verify
 from omnidraft_mlx.kvcache import KVSlot, make_cache, prefill
-from omnidraft_mlx.drafter import DEPTH, DrafterSource
-from omnidraft_mlx.drafts import Context
-from omnidraft_mlx.policy import FixedPolicy, PolicyConfig
-from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.speculative import SpecConfig
-from omnidraft_mlx.tree import PositionsRoPE, TokenTree, attention, keep_path, tree_forward
+from omnidraft_mlx.tree import PositionsRoPE, TokenTree, keep_path, tree_forward
 
 VOCAB, WINDOW = 97, 8
 BASE = dict(hidden_size=128, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
@@ -83,55 +78,6 @@ def test_one_forward_gives_each_node_its_own_path_logits(model):
         assert mx.allclose(out[node + 1], stepwise(model, ids)[-1], atol=1e-4).item(), node
     # The model is left as it was: a later chain forward is the plain one.
     assert "make_mask" not in vars(cache[0])
-
-
-def test_rows_after_the_cache_can_branch_off_inside_it(model):
-    """How the drafter continues its branches (drafter._deepen): the cache holds a prefix and a
-    chain; rows written after it, each at the position and seeing the keys of its own path (the
-    chain up to where it branches off, its own earlier rows), get that path's logits."""
-    chain, branches = [5, 6, 7, 8], [(1, [9, 10]), (3, [11, 12])]  # (chain position, tokens)
-    cache = make_cache(model)
-    prefill(model, cache, PREFIX + chain)
-    base, k_pos, fed, got = len(PREFIX), np.arange(len(PREFIX) + len(chain)), [[], []], [[], []]
-    for depth in range(2):
-        offset = cache[0].offset
-        q_pos = np.array([base + i + depth for i, _ in branches])
-        k_pos = np.concatenate([k_pos, q_pos])
-        visible = np.zeros((2, offset + 2), bool)
-        for row, (i, _) in enumerate(branches):
-            visible[row, : base + i] = True
-            visible[row, fed[row] + [offset + row]] = True
-            fed[row].append(offset + row)
-        with attention(model, cache, q_pos, k_pos, visible):
-            out = model(mx.array([[tokens[depth] for _, tokens in branches]]), cache=cache)[0]
-        for row in range(2):
-            got[row].append(out[row])
-    for row, (i, tokens) in enumerate(branches):
-        assert mx.allclose(mx.stack(got[row]), stepwise(model, PREFIX + chain[:i] + tokens)[-2:], atol=1e-4).item()
-
-
-def test_the_drafter_continues_branches_as_it_would_token_by_token(cross, tiny):
-    (_, dt), (_, tt) = tiny["draft"], tiny["target"]
-    draft_prompt = encode_prompt(dt, user_messages("def add_"), True)
-    source = DrafterSource(cross, draft_prompt, SpecConfig(k=4, tree=True), FixedPolicy(PolicyConfig(k=4)))
-    ctx = Context(encode_prompt(tt, user_messages("def add_"), True))
-    source.start(ctx)
-    base = len(source.state.slot.tokens)
-    draft = source.propose(ctx, 8)
-    assert draft.branches
-    held = list(source.state.slot.tokens)
-    first = stepwise(cross.draft, draft_prompt)[-1]
-    alt = int(mx.argsort(-first)[1].item())  # the drafter's second choice for the first token
-    nodes = source._deepen([(0.5, [alt])], base)
-    assert [len(path) for _, path in nodes] == list(range(2, DEPTH + 2))
-    score = 0.5
-    for _, path in nodes:
-        step = mx.softmax(stepwise(cross.draft, draft_prompt + path[:-1])[-1], axis=-1)
-        assert path[-1] == int(mx.argmax(step).item())
-        score *= step[path[-1]].item()
-    assert nodes[-1][0] == pytest.approx(score, rel=1e-3)
-    # The drafter's cache holds what it held: context and chain.
-    assert source.state.slot.tokens == held and source.state.slot.cache[0].offset == len(held)
 
 
 @pytest.mark.parametrize("node", [3, 6, 10, 7])
