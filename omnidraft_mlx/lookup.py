@@ -56,22 +56,28 @@ class ContextLookup(LookupSource):
     reach = 32  # tokens a match is followed back over
     candidates = 64  # latest occurrences of an n-gram compared
 
-    def __init__(self, max_ngram: int = 4, max_len: int = 8):
+    def __init__(self, max_ngram: int = 4, max_len: int = 8, views: list[int] = ()):
+        """views: target ids of other renderings of the context, searched as if they came first."""
         super().__init__(max_len)
         self.max_ngram = max_ngram
         self.seq: list[int] = []
         self.after: dict[tuple[int, ...], list[int]] = {}  # n-gram -> where its continuations start
+        for t in views:
+            self._append(t)
+        self.views = len(views)
 
     def start(self, ctx: Context) -> None:
         self._catch_up(ctx)
 
+    def _append(self, token: int) -> None:
+        p = len(self.seq)
+        for n in range(1, min(self.max_ngram, p) + 1):
+            self.after.setdefault(tuple(self.seq[p - n : p]), []).append(p)
+        self.seq.append(token)
+
     def _catch_up(self, ctx: Context) -> None:
-        target = len(ctx.prompt) + len(ctx.committed)
-        while len(self.seq) < target:
-            p = len(self.seq)
-            for n in range(1, min(self.max_ngram, p) + 1):
-                self.after.setdefault(tuple(self.seq[p - n : p]), []).append(p)
-            self.seq.append(ctx.prompt[p] if p < len(ctx.prompt) else ctx.committed[p - len(ctx.prompt)])
+        while (p := len(self.seq) - self.views) < len(ctx.prompt) + len(ctx.committed):
+            self._append(ctx.prompt[p] if p < len(ctx.prompt) else ctx.committed[p - len(ctx.prompt)])
 
     def propose(self, ctx: Context, limit: int, guess: list[int] = ()) -> Draft | None:
         self._catch_up(ctx)
@@ -98,6 +104,15 @@ class ContextLookup(LookupSource):
         while n < min(len(tail), start) and self.seq[start - 1 - n] == tail[-1 - n]:
             n += 1
         return n
+
+
+def escaped_views(tokenizer, prompt: list[int]) -> list[int]:
+    """The prompt's text as a model writes it into a JSON string, in target ids: escaped as a
+    chat template's tojson escapes it, and with only its line breaks escaped (as small models
+    write code into a tool call: quotes left bare). Empty where escaping changes nothing."""
+    text = tokenizer.decode(prompt)
+    views = {json.dumps(text, ensure_ascii=False)[1:-1], text.replace("\n", "\\n")} - {text}
+    return [t for view in sorted(views) for t in tokenizer.encode(view, add_special_tokens=False)]
 
 
 def match_class(match: int) -> int:

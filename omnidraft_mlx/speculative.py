@@ -27,7 +27,7 @@ from omnidraft_mlx.batch import verify_together
 from omnidraft_mlx.drafter import DrafterSource, softmax
 from omnidraft_mlx.drafts import SOURCES, Context, Draft, check_sources, point_mass
 from omnidraft_mlx.kvcache import KVSlot
-from omnidraft_mlx.lookup import ContextLookup, HistoryIndex, HistorySource
+from omnidraft_mlx.lookup import ContextLookup, HistoryIndex, HistorySource, escaped_views
 from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.policy import DraftPolicy, FixedPolicy, PolicyConfig
 from omnidraft_mlx.scheduler import Scheduler
@@ -171,13 +171,13 @@ def verify(out: mx.array, tree: TokenTree, draft: Draft, cfg: SpecConfig, rng) -
         path.append(node)
 
 
-def make_sources(pair: Pair, draft_prompt: list[int], cfg: SpecConfig, policy: DraftPolicy,
+def make_sources(pair: Pair, draft_prompt: list[int], target_prompt: list[int], cfg: SpecConfig, policy: DraftPolicy,
                  history: HistoryIndex | None = None, draft_slot: KVSlot | None = None,
                  learn_history: bool = True) -> list:
     """The configured draft sources (history only with an index to draw on)."""
     sources = []
     if "context" in cfg.sources:
-        sources.append(ContextLookup(max_len=cfg.lookup_len))
+        sources.append(ContextLookup(max_len=cfg.lookup_len, views=escaped_views(pair.target_tok, target_prompt)))
     if "history" in cfg.sources and history is not None:
         sources.append(HistorySource(history, learn_history, cfg.lookup_len))
     if "drafter" in cfg.sources:
@@ -209,7 +209,7 @@ class Decoding:
         stats.cached_tokens = min(target.common_prefix(target_prompt), len(target_prompt) - 1)
         target.reuse(pair.target, target_prompt[:-1])
         self.scheduler = scheduler or Scheduler()
-        self.scheduler.begin_reply(make_sources(pair, draft_prompt, cfg, policy, history, draft_slot, learn_history),
+        self.scheduler.begin_reply(make_sources(pair, draft_prompt, target_prompt, cfg, policy, history, draft_slot, learn_history),
                                    cfg.guard, self.ctx, pair.target, target)
         stats.prompt_tokens = len(target_prompt)
         stats.prefill_s = time.perf_counter() - t_start

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
+from omnidraft_mlx.align import common_prefix
 from omnidraft_mlx.drafter import DrafterSource
 from omnidraft_mlx.drafts import Context, Draft, DraftSource
 from omnidraft_mlx.generate import PlainStats, plain_generate
-from omnidraft_mlx.lookup import ContextLookup, HistoryIndex, match_class
+from omnidraft_mlx.lookup import ContextLookup, HistoryIndex, escaped_views, match_class
 from omnidraft_mlx.pair import make_pair
 from omnidraft_mlx.policy import FixedPolicy, PolicyConfig
 from omnidraft_mlx.prompts import encode_prompt, user_messages
@@ -132,6 +133,23 @@ def unrelated(tmp_path_factory):
     draft, target = build_random_pair(tmp_path_factory.mktemp("rand"))
     (dm, dt), (tm, tt) = load(str(draft)), load(str(target))
     return make_pair(dm, dt, tm, tt)
+
+
+def test_a_file_copied_into_a_tool_calls_json_is_found_in_the_escaped_context(unrelated):
+    """An agent writes a file it was shown into a JSON string, newlines escaped (quotes too, or
+    left bare): the context's raw text has no such n-grams past a line; its escaped views do."""
+    tok = unrelated.target_tok
+    code = 'def greet(name):\n    """Say "hi"."""\n    return "hi " + name\n'
+    prompt = list(tok.encode(f"Read {code}Now write it.", add_special_tokens=False))
+    for written in (json.dumps(code)[1:-1], code.replace("\n", "\\n")):
+        call = list(tok.encode('{"content": "' + written, add_special_tokens=False))
+        reply, rest = call[: len(call) // 2], call[len(call) // 2 :]  # halfway through writing it
+        ctx = Context(prompt=prompt, committed=reply)
+        raw = ContextLookup(max_len=len(rest)).propose(ctx, len(rest))
+        seen = ContextLookup(max_len=len(rest), views=escaped_views(tok, prompt)).propose(ctx, len(rest))
+        # The view proposes the rest of the file (its last token may merge with what follows it).
+        assert common_prefix(seen.tokens, rest) >= len(rest) - 1 > common_prefix(raw.tokens if raw else [], rest)
+    assert escaped_views(tok, list(tok.encode("no escapes here", add_special_tokens=False))) == []
 
 
 @pytest.mark.parametrize("guard", [True, False])
