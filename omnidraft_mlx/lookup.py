@@ -64,7 +64,7 @@ class ContextLookup(LookupSource):
         self.after: dict[tuple[int, ...], list[int]] = {}  # n-gram -> where its continuations start
         for t in views:
             self._append(t)
-        self.views = len(views)
+        self.view_tokens = len(views)  # seq holds the views, then the context
 
     def start(self, ctx: Context) -> None:
         self._catch_up(ctx)
@@ -76,7 +76,7 @@ class ContextLookup(LookupSource):
         self.seq.append(token)
 
     def _catch_up(self, ctx: Context) -> None:
-        while (p := len(self.seq) - self.views) < len(ctx.prompt) + len(ctx.committed):
+        while (p := len(self.seq) - self.view_tokens) < len(ctx.prompt) + len(ctx.committed):
             self._append(ctx.prompt[p] if p < len(ctx.prompt) else ctx.committed[p - len(ctx.prompt)])
 
     def propose(self, ctx: Context, limit: int, guess: list[int] = ()) -> Draft | None:

@@ -3,9 +3,7 @@ fastest of PASSES forwards per length, measured once per model shape and machine
 and kept on disk (the weights' values do not change it; their shapes, dtype, the
 device and the MLX build do). The loop refines it from its own rounds
 (fit.VerifyCost), but only for the lengths it verifies: a length measured too
-slow is never tried. One pass measured beside other work once priced 16 tokens
-on the 1.5B target at 3.8 s (1.1 s alone), and the scheduler then verified copies
-3 tokens at a time (bench/results/agent/README.md)."""
+slow is never tried, so one slow pass would price it for good."""
 
 from __future__ import annotations
 
@@ -48,12 +46,12 @@ def shape_key(model) -> str:
     return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def measure(model, slot: KVSlot, lengths=range(MOST + 1), passes: int = PASSES) -> dict[int, float]:
+def measure(model, slot: KVSlot, lengths=range(MOST + 1)) -> dict[int, float]:
     """Seconds of a target forward over y + n draft tokens after what `slot` holds, per n: the
-    fastest of `passes`; the cache is left as it was."""
+    fastest of PASSES; the cache is left as it was."""
     filler = (slot.tokens or [0]) * (MOST + 2)
     seconds = {}
-    for n in [*lengths] * passes:  # the first forward allocates: slower than its next passes
+    for n in [*lengths] * PASSES:  # the first forward allocates: slower than its next passes
         x = mx.array([filler[: n + 1]])
         start = time.perf_counter()
         mx.eval(model(x, cache=slot.cache).argmax(axis=-1))
