@@ -87,6 +87,9 @@ def reply_ranks(pair, messages: list[dict], target_ids: list[int]) -> np.ndarray
 def drafter_forward_s(records: list[dict]) -> float:
     """Seconds of one drafter forward, from the bench's drafted rounds."""
     ours = [r for r in records if r["kind"] == "ours" and r["draft_forwards"]]
+    if not ours:
+        raise SystemExit("that bench has no rounds drafted by our drafter to price its forward: "
+                         "give a bench run with --source drafter or fused")
     return sum(r["draft_s"] for r in ours) / sum(r["draft_forwards"] for r in ours)
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from omnidraft_mlx.bench.tree_ceiling import Shape, main, rounds_to_cover, shapes
+from omnidraft_mlx.bench.tree_ceiling import Shape, drafter_forward_s, main, rounds_to_cover, shapes
 from omnidraft_mlx.drafter import BRANCHES
 
 
@@ -34,3 +34,10 @@ def test_rounds_hold_while_ranks_stay_inside_the_shape():
 def test_bad_input_is_a_one_line_error(tmp_path):
     with pytest.raises(SystemExit, match="no bench.json in"):
         main([str(tmp_path)])
+
+
+def test_a_bench_without_drafted_rounds_is_a_one_line_error():
+    plain = {"kind": "plain", "draft_forwards": None, "draft_s": 0.0}
+    with pytest.raises(SystemExit, match="no rounds drafted"):
+        drafter_forward_s([plain])
+    assert drafter_forward_s([plain, {"kind": "ours", "draft_forwards": 4, "draft_s": 0.2}]) == pytest.approx(0.05)
