@@ -44,7 +44,7 @@ def heldout(n: int) -> list:
 def adapt_stream() -> list:
     """The adaptation split, tasks interleaved while both last, as one stream of conversations
     (each prompt with its reference answer, which only text mode reads)."""
-    from omnidraft_mlx.adapt import task_corpus
+    from omnidraft_mlx.learn.adapt import task_corpus
 
     return task_corpus(",".join(TASKS), "adapt")
 
@@ -72,7 +72,7 @@ def load(name: str):
 
 
 def phase_before(args) -> None:
-    from omnidraft_mlx.ngram import NGramCache
+    from omnidraft_mlx.vocab.ngram import NGramCache
     from omnidraft_mlx.pair import make_pair
 
     pair = make_pair(*load(args.draft), *load(args.target))
@@ -83,10 +83,10 @@ def phase_before(args) -> None:
 
 
 def phase_adapt(args) -> None:
-    from omnidraft_mlx.adapt import Budget, batch, open_learner, stream, text
-    from omnidraft_mlx.distill import DistillConfig
-    from omnidraft_mlx.policy import PolicyConfig, make_policy
-    from omnidraft_mlx.speculative import SpecConfig
+    from omnidraft_mlx.learn.adapt import Budget, batch, open_learner, stream, text
+    from omnidraft_mlx.learn.distill import DistillConfig
+    from omnidraft_mlx.decode.policy import PolicyConfig, make_policy
+    from omnidraft_mlx.decode.speculative import SpecConfig
 
     cfg = DistillConfig(lam=args.lam, lr=args.lr, lora_rank=args.rank, steps=args.steps)
     # Batch mode trains the acceptance head, whatever --policy says (as `omnidraft adapt` does).
@@ -118,9 +118,9 @@ def phase_adapt(args) -> None:
 
 
 def phase_after(args) -> None:
-    from omnidraft_mlx.ngram import NGramCache
+    from omnidraft_mlx.vocab.ngram import NGramCache
     from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.profile import load_profile
+    from omnidraft_mlx.profile.store import load_profile
 
     (dm, dt), (tm, tt), (am, at) = load(args.draft), load(args.target), load(args.draft)
     profile = load_profile(args.draft, args.target, am, path=profile_path(args))
@@ -143,8 +143,8 @@ def kl_only_drafter(args, pair) -> tuple:
     Greedy replies are the target's own output whatever the drafter, so replaying
     the logged replies in the logged order gives the same training data and
     updates the stream run had: only the loss differs."""
-    from omnidraft_mlx.adapt import OnlineLearner, asked
-    from omnidraft_mlx.distill import DistillConfig, setup_trainable
+    from omnidraft_mlx.learn.adapt import OnlineLearner, asked
+    from omnidraft_mlx.learn.distill import DistillConfig, setup_trainable
 
     log = json.loads((args.out / "stream.json").read_text())
     cfg = DistillConfig.from_dict({**log["settings"], "lam": 0.0})
@@ -167,7 +167,7 @@ def _warm(pair) -> None:
 
 
 def _save(path: Path, data: dict) -> None:
-    from omnidraft_mlx.atomic import atomic_write_text
+    from omnidraft_mlx.profile.atomic import atomic_write_text
 
     atomic_write_text(path, json.dumps(data, indent=1))
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnidraft_mlx.bench.usecases import EDITS, greedy_reply
-from omnidraft_mlx.serve_text import splitter
-from omnidraft_mlx.serve_tools import auto_plan
+from omnidraft_mlx.serve.text import splitter
+from omnidraft_mlx.serve.tools import auto_plan
 from omnidraft_mlx.tasks import Prompt, humaneval, load_task
 
 AGENT_STEPS = 3  # measured replies per episode

@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.bench.run import environment_base
 
 TURNS = (
@@ -31,7 +31,7 @@ def run(draft: str, target: str, max_tokens: int) -> dict:
     from omnidraft_mlx.chat import ChatConfig, ChatSession
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.promptcache import PromptCache
+    from omnidraft_mlx.decode.promptcache import PromptCache
 
     (dm, dt), (tm, tt) = load_model(draft), load_model(target)
     pair = make_pair(dm, dt, tm, tt)

@@ -21,10 +21,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.bench.report import prompt_speedup, record_speedup
 from omnidraft_mlx.bench.run import BenchConfig, Decoding, Method, environment_base, rotated, run_one, select_prompts
-from omnidraft_mlx.kvcache import make_cache, prefill, trim_cache
+from omnidraft_mlx.decode.kvcache import make_cache, prefill, trim_cache
 
 CACHED = 200
 
@@ -172,7 +172,7 @@ def main() -> None:
     from omnidraft_mlx.models.convert import INFO_FILE
     from omnidraft_mlx.models.pull import _progress, resolve_model
     from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.profile import load_profile
+    from omnidraft_mlx.profile.store import load_profile
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--derived", required=True, help="the derived drafter (a local model name)")

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.models.catalog import local_name
 from omnidraft_mlx.models.convert import default_dtype
 

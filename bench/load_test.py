@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
@@ -157,7 +157,7 @@ def repeated_prompt(url: str, model: str, prompts: list, examples: int, max_toke
 
 def plain_replies(target: str, requests: list[Request], max_tokens: int) -> dict[str, str]:
     """The target's own greedy reply to each prompt (mlx-lm's generate_step)."""
-    from omnidraft_mlx.generate import PlainStats, plain_generate
+    from omnidraft_mlx.decode.plain import PlainStats, plain_generate
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.prompts import encode_prompt
 

@@ -38,8 +38,8 @@ import numpy as np
 
 from omnidraft_mlx.bench.report import record_speedup, speedup
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.head import FEATURES, replay_depths, replay_recent
-from omnidraft_mlx.policy import DraftPolicy, FixedPolicy, LearnedPolicy, OraclePolicy, PolicyConfig, parse_gamma
+from omnidraft_mlx.decode.head import FEATURES, replay_depths, replay_recent
+from omnidraft_mlx.decode.policy import DraftPolicy, FixedPolicy, LearnedPolicy, OraclePolicy, PolicyConfig, parse_gamma
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Reply:
 
 
 def teacher_forced(pair, policy: LearnedPolicy, prompt: str, target_ids: list[int], task: str) -> Reply:
-    from omnidraft_mlx.adapt import drafter_on_reply
+    from omnidraft_mlx.learn.adapt import drafter_on_reply
     from omnidraft_mlx.prompts import encode_prompt, user_messages
 
     prompt_ids = encode_prompt(pair.draft_tok, user_messages(prompt))
@@ -169,7 +169,7 @@ def main(argv=None) -> None:
     from omnidraft_mlx.bench.run import BenchConfig, load_pair
     from omnidraft_mlx.models.pull import model_home
     from omnidraft_mlx.tasks import load_task
-    from omnidraft_mlx.profile import load_head
+    from omnidraft_mlx.profile.store import load_head
 
     pair, profile, _ = load_pair(BenchConfig(draft=cfg["draft"], target=cfg["target"], tasks=cfg["tasks"]))
     texts = {p.id: p.text for task in cfg["tasks"] for p in load_task(task, "heldout")}

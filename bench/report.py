@@ -12,7 +12,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.profile.atomic import atomic_write_text
 
 ALL = "all"
 AGENT = "agent"  # the task whose prompts are steps of episodes (bench/agent.py)

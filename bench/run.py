@@ -42,18 +42,18 @@ from omnidraft_mlx.bench.agent import AGENT_STEPS, agent_prompts
 from omnidraft_mlx.bench.usecases import USE_CASES, edit_prompts, file_prompts, multiturn_prompts, prompt_ids
 from omnidraft_mlx.tasks import TASKS, Prompt, check_task, load_task
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.generate import PlainStats, plain_generate
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.models.pull import model_home
-from omnidraft_mlx.policy import POLICIES, DraftPolicy, LearnedPolicy, OraclePolicy, PolicyConfig, make_policy
-from omnidraft_mlx.profile import load_head
+from omnidraft_mlx.decode.policy import POLICIES, DraftPolicy, LearnedPolicy, OraclePolicy, PolicyConfig, make_policy
+from omnidraft_mlx.profile.store import load_head
 from omnidraft_mlx.settings import check_choice, check_range
-from omnidraft_mlx.lookup import HistoryIndex
-from omnidraft_mlx.promptcache import PromptCache
-from omnidraft_mlx.drafter import output_head
-from omnidraft_mlx.kvcache import KVSlot, prefill
-from omnidraft_mlx.drafts import SOURCES
-from omnidraft_mlx.scheduler import Scheduler
-from omnidraft_mlx.speculative import SAMPLING_MODES, SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.decode.lookup import HistoryIndex
+from omnidraft_mlx.decode.promptcache import PromptCache
+from omnidraft_mlx.decode.drafter import output_head
+from omnidraft_mlx.decode.kvcache import KVSlot, prefill
+from omnidraft_mlx.decode.drafts import SOURCES
+from omnidraft_mlx.decode.scheduler import Scheduler
+from omnidraft_mlx.decode.speculative import SAMPLING_MODES, SpecConfig, SpecStats, speculative_generate
 
 WARMUP_PROMPT = "Say hello."
 BENCH_POLICIES = (*POLICIES[1:], "oracle")  # adaptive policies to compare; the oracle is a bound
@@ -469,7 +469,7 @@ def load_pair(cfg: BenchConfig):
     ignored), the third is the history index (None: ignored)."""
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.profile import load_profile
+    from omnidraft_mlx.profile.store import load_profile
 
     draft, draft_tok = load_model(cfg.draft)
     target, target_tok = load_model(cfg.target)

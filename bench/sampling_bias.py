@@ -39,9 +39,9 @@ import mlx.core as mx
 import numpy as np
 from scipy.stats import chisquare
 
-from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.speculative import Decoding, SpecConfig, SpecStats, decode_together, target_probs
+from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats, decode_together, target_probs
 
 
 def exact_sequence_probs(model, prompt_ids, eos, length, temp, top_p, min_prob=1e-7) -> dict:

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from omnidraft_mlx.bench.report import speedup
-from omnidraft_mlx.drafter import BRANCHES
+from omnidraft_mlx.decode.drafter import BRANCHES
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,8 @@ def rounds_to_cover(ranks: np.ndarray, shape: Shape) -> int:
 
 def reply_ranks(pair, messages: list[dict], target_ids: list[int]) -> np.ndarray:
     """The drafter's rank of each next token of the reply (0: its first choice), in its tokenization."""
-    from omnidraft_mlx.adapt import drafter_on_reply
-    from omnidraft_mlx.align import as_draft_tokens
+    from omnidraft_mlx.learn.adapt import drafter_on_reply
+    from omnidraft_mlx.vocab.align import as_draft_tokens
     from omnidraft_mlx.prompts import encode_prompt
 
     prompt = encode_prompt(pair.draft_tok, messages)
@@ -105,10 +105,10 @@ def main(argv=None) -> None:
     records, cfg = result["records"], result["config"]
 
     from omnidraft_mlx.bench.run import BenchConfig, load_pair
-    from omnidraft_mlx.kvcache import KVSlot
+    from omnidraft_mlx.decode.kvcache import KVSlot
     from omnidraft_mlx.prompts import encode_prompt
     from omnidraft_mlx.tasks import load_task
-    from omnidraft_mlx.widths import measure
+    from omnidraft_mlx.decode.widths import measure
 
     pair, _, _ = load_pair(BenchConfig(draft=cfg["draft"], target=cfg["target"], tasks=cfg["tasks"],
                                        use_profile=cfg["use_profile"]))

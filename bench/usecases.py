@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.serve_tools import ToolPlan, encode
+from omnidraft_mlx.serve.tools import ToolPlan, encode
 from omnidraft_mlx.tasks import Prompt, load_task
 
 USE_CASES = ("edit", "multiturn")
@@ -56,7 +56,7 @@ def greedy_reply(pair, prompt: Prompt, max_tokens: int) -> str:
     """The target's greedy reply: what later turns of a scripted conversation build on.
     Decoded here, untimed, by the speculative loop: greedy, its output is the target's own
     (sooner than plain decoding, which a run times on the turns it measures)."""
-    from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+    from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 
     cfg = SpecConfig(max_tokens=max_tokens)
     return pair.target_tok.decode([t for new, _ in speculative_generate(pair, *prompt_ids(pair, prompt), cfg,
@@ -83,7 +83,7 @@ def multiturn_prompts(n: int, pair, max_tokens: int, replied=lambda what: None) 
 
 def file_prompts(path: str | Path) -> list[Prompt]:
     """The user's prompts (JSONL), task "file"."""
-    from omnidraft_mlx.adapt import read_jsonl
+    from omnidraft_mlx.learn.adapt import read_jsonl
 
     prompts = []
     for i, sample in enumerate(read_jsonl(Path(path).expanduser())):

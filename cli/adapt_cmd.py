@@ -15,12 +15,12 @@ import typer
 
 from omnidraft_mlx.cli import options
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.policy import PolicyConfig, check_policy, make_policy
+from omnidraft_mlx.decode.policy import PolicyConfig, check_policy, make_policy
 
 
 def _samples(corpus: Optional[str], task: Optional[str], n_eval: int):
     """(training samples, held-out prompts, corpus key for the saved position)."""
-    from omnidraft_mlx.adapt import read_corpus, task_corpus
+    from omnidraft_mlx.learn.adapt import read_corpus, task_corpus
 
     if (corpus is None) == (task is None):
         raise OmniDraftError("give either a CORPUS (JSONL of prompts, text file or folder) or --task code|math|chat (or several: code,math,chat)")
@@ -60,11 +60,11 @@ def adapt(
     raw: bool = typer.Option(False, "--raw", help="Send prompts without the chat template."),
 ) -> None:
     """Fine-tune the drafter for the target on CORPUS (or --task), saving the pair's profile after every update."""
-    from omnidraft_mlx.adapt import Budget
+    from omnidraft_mlx.learn.adapt import Budget
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import err_console
-    from omnidraft_mlx.distill import DistillConfig
-    from omnidraft_mlx.distributed import world
+    from omnidraft_mlx.learn.distill import DistillConfig
+    from omnidraft_mlx.learn.distributed import world
 
     _check_flags(mode, policy, interval, k, max_tokens, n_eval)
     cfg = DistillConfig(lam=lam, lr=lr, lora_rank=rank, layers=layers, batch=batch, steps=steps, max_len=max_len)
@@ -111,11 +111,11 @@ def _pick_mode(mode: Optional[str], samples) -> str:
 def _open_learner(draft: str, target: str, cfg, interval: int, raw: bool, draft_policy, group, lead: bool):
     """Load both models and the pair's learner, every rank from rank 0's profile (ranks on other
     machines get a copy of it; the learner takes rank 0's weights and optimizer state)."""
-    from omnidraft_mlx.adapt import open_learner
+    from omnidraft_mlx.learn.adapt import open_learner
     from omnidraft_mlx.cli.main import err_console
-    from omnidraft_mlx.distributed import share_folder
+    from omnidraft_mlx.learn.distributed import share_folder
     from omnidraft_mlx.loading import load_model
-    from omnidraft_mlx.profile import profile_dir, profile_lock
+    from omnidraft_mlx.profile.store import profile_dir, profile_lock
 
     draft_model, draft_tok = load_model(draft)
     target_model, target_tok = load_model(target)
@@ -132,7 +132,7 @@ def _resume(learner, key: str, n_samples: int, group, lead: bool) -> None:
     import mlx.core as mx
 
     from omnidraft_mlx.cli.main import err_console
-    from omnidraft_mlx.distributed import share_tree
+    from omnidraft_mlx.learn.distributed import share_tree
 
     learner.corpus = key
     learner.position = int(share_tree(mx.array(learner.profile.position(key)), group).item())
@@ -143,7 +143,7 @@ def _resume(learner, key: str, n_samples: int, group, lead: bool) -> None:
 
 def _evaluate(pair, held: list, k: int, eval_tokens: int, label: str, lead: bool) -> dict | None:
     """Acceptance on the held-out prompts (rank 0 only); None when there are none."""
-    from omnidraft_mlx.adapt import evaluate
+    from omnidraft_mlx.learn.adapt import evaluate
     from omnidraft_mlx.cli.main import console, err_console
 
     if not held or not lead:
@@ -174,8 +174,8 @@ class _Run:
         self.started = time.monotonic()
 
     def learn(self, samples, budget, k: int, max_tokens: int) -> None:
-        from omnidraft_mlx.adapt import batch as batch_replies, stream, text
-        from omnidraft_mlx.speculative import SpecConfig
+        from omnidraft_mlx.learn.adapt import batch as batch_replies, stream, text
+        from omnidraft_mlx.decode.speculative import SpecConfig
 
         with self.progress:
             self.bar = self.progress.add_task(f"{self.mode} | update {self.learner.updates}", total=self.total)

@@ -126,7 +126,7 @@ def bench(
 
     from omnidraft_mlx.bench.report import write_results
     from omnidraft_mlx.bench.run import BenchConfig, run_bench
-    from omnidraft_mlx.policy import parse_gamma
+    from omnidraft_mlx.decode.policy import parse_gamma
 
     cfg = BenchConfig(
         draft=draft, target=target, tasks=_tasks(task, prompts_file),
@@ -156,7 +156,7 @@ def _tasks(task: Optional[str], prompts_file: Optional[Path]) -> list[str]:
 
 def _forward_cost(models: str, out: Path) -> None:
     """`bench --forward-cost`: each model's plain decode speed and forward cost, into out/forward_cost.json."""
-    from omnidraft_mlx.atomic import atomic_write_text
+    from omnidraft_mlx.profile.atomic import atomic_write_text
     from omnidraft_mlx.bench.forward_cost import run_forward_cost
     from omnidraft_mlx.cli.main import console
 

@@ -87,7 +87,7 @@ def chat(
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.chat import ChatConfig
     from omnidraft_mlx.cli.main import err_console
-    from omnidraft_mlx.policy import PolicyConfig, check_policy, parse_gamma
+    from omnidraft_mlx.decode.policy import PolicyConfig, check_policy, parse_gamma
 
     # The settings check themselves (one-line errors), before any model loads.
     cfg = ChatConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed, context=context,
@@ -116,8 +116,8 @@ def _open_session(draft: str, target: str, system: Optional[str], cfg, policy_cf
     from omnidraft_mlx.cli.main import console
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.policy import make_policy
-    from omnidraft_mlx.profile import load_profile
+    from omnidraft_mlx.decode.policy import make_policy
+    from omnidraft_mlx.profile.store import load_profile
 
     with console.status(f"loading {draft} and {target}"):
         draft_model, draft_tok = load_model(draft)

@@ -6,7 +6,7 @@ from omnidraft_mlx.bench.report import speedup
 from omnidraft_mlx.chat import ChatSession, Conversation
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.prompts import encode_prompt
-from omnidraft_mlx.speculative import SpecStats
+from omnidraft_mlx.decode.speculative import SpecStats
 
 HELP = """\
 commands:

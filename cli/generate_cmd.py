@@ -11,8 +11,8 @@ from rich.text import Text
 
 from omnidraft_mlx.cli import options
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.policy import DraftPolicy, PolicyConfig, check_policy, make_policy, parse_gamma
-from omnidraft_mlx.textstream import TextStream
+from omnidraft_mlx.decode.policy import DraftPolicy, PolicyConfig, check_policy, make_policy, parse_gamma
+from omnidraft_mlx.vocab.textstream import TextStream
 
 
 class Printer:
@@ -72,7 +72,7 @@ def generate(
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
     from omnidraft_mlx.prompts import user_messages
-    from omnidraft_mlx.speculative import SpecConfig
+    from omnidraft_mlx.decode.speculative import SpecConfig
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -95,7 +95,7 @@ def generate(
     drafter = None if model else _load_drafter(draft, messages, raw, max_tokens)
     printer = partial(Printer, console=console, show_draft=show_draft, quiet=quiet)
     if drafter:
-        from omnidraft_mlx.profile import load_profile
+        from omnidraft_mlx.profile.store import load_profile
 
         profile = None if no_profile else load_profile(draft, target, drafter[0])
         summary = _speculate(drafter, (target_model, target_tok, target_ids), cfg, make_policy(policy_cfg),
@@ -129,7 +129,7 @@ def _load_drafter(draft: str, messages: list[dict], raw: bool, max_tokens: int):
 def _speculate(drafter, target, cfg, draft_policy: DraftPolicy, profile, printer) -> str:
     """Stream the reply of the pair (saving its profile, if any, after); the statistics line."""
     from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.speculative import SpecStats, speculative_generate
+    from omnidraft_mlx.decode.speculative import SpecStats, speculative_generate
 
     (draft_model, draft_tok, draft_ids), (target_model, target_tok, target_ids) = drafter, target
     pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile and profile.ngrams)
@@ -157,9 +157,9 @@ def _speculate(drafter, target, cfg, draft_policy: DraftPolicy, profile, printer
 
 def _plain(target_model, target_tok, target_ids: list[int], cfg, printer) -> str:
     """Stream the target's plain reply; the statistics line."""
-    from omnidraft_mlx.generate import PlainStats, plain_generate
+    from omnidraft_mlx.decode.plain import PlainStats, plain_generate
     from omnidraft_mlx.pair import vocab_size
-    from omnidraft_mlx.vocab import token_bytes
+    from omnidraft_mlx.vocab.tokenmap import token_bytes
 
     stats = PlainStats()
     out = printer(token_bytes(target_tok, vocab_size(target_model)))

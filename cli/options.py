@@ -2,7 +2,7 @@
 
 import typer
 
-from omnidraft_mlx.drafts import SOURCES
+from omnidraft_mlx.decode.drafts import SOURCES
 from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 DRAFT = typer.Option(DEFAULT_DRAFT, "--draft", "-d", help="Drafter: catalog name, directory, .gguf or hub id.")

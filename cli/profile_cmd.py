@@ -16,8 +16,8 @@ TARGET = typer.Option(DEFAULT_TARGET, "--target", "-t", help="Target name.")
 def show(draft: str = DRAFT, target: str = TARGET) -> None:
     """What the pair's profile holds."""
     from omnidraft_mlx.cli.main import console
-    from omnidraft_mlx.policy import LearnedPolicy, PolicyConfig
-    from omnidraft_mlx.profile import load_head, load_profile, profile_files, profile_lock
+    from omnidraft_mlx.decode.policy import LearnedPolicy, PolicyConfig
+    from omnidraft_mlx.profile.store import load_head, load_profile, profile_files, profile_lock
 
     profile = load_profile(draft, target)
     if not profile.path.exists():
@@ -47,7 +47,7 @@ def show(draft: str = DRAFT, target: str = TARGET) -> None:
 def reset(draft: str = DRAFT, target: str = TARGET) -> None:
     """Forget everything the pair has learned (adapter, n-grams, positions)."""
     from omnidraft_mlx.cli.main import console
-    from omnidraft_mlx.profile import reset_profile
+    from omnidraft_mlx.profile.store import reset_profile
 
     console.print(f"removed {reset_profile(draft, target)}")
 
@@ -59,9 +59,9 @@ def export(out: str = typer.Argument(..., help="Archive to write (.tar.gz)."),
     import io
     import tarfile
 
-    from omnidraft_mlx.atomic import atomic_write_bytes
+    from omnidraft_mlx.profile.atomic import atomic_write_bytes
     from omnidraft_mlx.cli.main import console
-    from omnidraft_mlx.profile import load_profile, profile_files, profile_lock
+    from omnidraft_mlx.profile.store import load_profile, profile_files, profile_lock
 
     profile = load_profile(draft, target)
     if not profile.path.exists():

@@ -11,7 +11,7 @@ import typer
 
 from omnidraft_mlx.cli import options
 from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
-from omnidraft_mlx.promptcache import DEFAULT_CACHE_BYTES
+from omnidraft_mlx.decode.promptcache import DEFAULT_CACHE_BYTES
 
 
 def serve(
@@ -41,8 +41,8 @@ def serve(
     """Serve TARGET, DRAFT speculating, over the OpenAI HTTP API (/v1/chat/completions, /v1/completions)."""
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
-    from omnidraft_mlx.policy import PolicyConfig, check_policy, parse_gamma
-    from omnidraft_mlx.server import ServeConfig, serve as run_server
+    from omnidraft_mlx.decode.policy import PolicyConfig, check_policy, parse_gamma
+    from omnidraft_mlx.serve.server import ServeConfig, serve as run_server
     from omnidraft_mlx.settings import check_range
 
     # The settings check themselves (one-line errors), before any model loads.

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.models.convert import INFO_FILE, staged_dir
 from omnidraft_mlx.models.pull import _progress, is_model_dir, model_home, models_dir, resolve_model
@@ -202,7 +202,7 @@ def _run(layers, h):
 
 def _logits(model, h):
     """The final norm and output head on the last hidden state."""
-    from omnidraft_mlx.drafter import output_head
+    from omnidraft_mlx.decode.drafter import output_head
 
     return output_head(model)(model.model.norm(h))
 

@@ -17,18 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from omnidraft_mlx.atomic import atomic_write_text
-from omnidraft_mlx.drafts import SOURCES, check_sources
+from omnidraft_mlx.profile.atomic import atomic_write_text
+from omnidraft_mlx.decode.drafts import SOURCES, check_sources
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.lookup import HistoryIndex
-from omnidraft_mlx.scheduler import Scheduler
+from omnidraft_mlx.decode.lookup import HistoryIndex
+from omnidraft_mlx.decode.scheduler import Scheduler
 from omnidraft_mlx.pair import Pair, context_length
-from omnidraft_mlx.policy import DraftPolicy
-from omnidraft_mlx.promptcache import CacheUse, PromptCache
+from omnidraft_mlx.decode.policy import DraftPolicy
+from omnidraft_mlx.decode.promptcache import CacheUse, PromptCache
 from omnidraft_mlx.prompts import encode_prompt
 from omnidraft_mlx.settings import check_range
-from omnidraft_mlx.textstream import TextStream
-from omnidraft_mlx.speculative import SpecConfig, SpecStats
+from omnidraft_mlx.vocab.textstream import TextStream
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats
 
 ROLES = ("system", "user", "assistant")
 
@@ -122,7 +122,7 @@ def plain_step_seconds(model, prompt_ids: list[int], steps: int = 4) -> float:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from omnidraft_mlx.kvcache import prefill
+    from omnidraft_mlx.decode.kvcache import prefill
 
     cache = make_prompt_cache(model)
     prefill(model, cache, prompt_ids)
@@ -158,8 +158,8 @@ class Reply:
 def make_learner(pair: Pair, profile, interval: int):
     """An online learner of the drafter, which it makes trainable (unless the
     profile's adapter already did); updates are saved into the profile."""
-    from omnidraft_mlx.adapt import OnlineLearner
-    from omnidraft_mlx.distill import DistillConfig, setup_trainable
+    from omnidraft_mlx.learn.adapt import OnlineLearner
+    from omnidraft_mlx.learn.distill import DistillConfig, setup_trainable
 
     if profile is not None and profile.distill:
         cfg = DistillConfig.from_dict(profile.distill)

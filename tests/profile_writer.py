@@ -18,10 +18,10 @@ import numpy as np
 from mlx.utils import tree_map
 from mlx_lm import load
 
-import omnidraft_mlx.profile as profile_module
-from omnidraft_mlx.distill import DistillConfig, setup_trainable
-from omnidraft_mlx.policy import LearnedPolicy, PolicyConfig
-from omnidraft_mlx.profile import load_profile
+import omnidraft_mlx.profile.store as profile_module
+from omnidraft_mlx.learn.distill import DistillConfig, setup_trainable
+from omnidraft_mlx.decode.policy import LearnedPolicy, PolicyConfig
+from omnidraft_mlx.profile.store import load_profile
 
 
 def wait_for(path: str) -> None:

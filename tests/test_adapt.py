@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from omnidraft_mlx.adapt import Budget, OnlineLearner, Sample, batch, evaluate, read_corpus, stream
-from omnidraft_mlx.align import align
-from omnidraft_mlx.distill import DistillConfig, Distiller, _pad, distill_loss, make_example, setup_trainable
+from omnidraft_mlx.learn.adapt import Budget, OnlineLearner, Sample, batch, evaluate, read_corpus, stream
+from omnidraft_mlx.vocab.align import align
+from omnidraft_mlx.learn.distill import DistillConfig, Distiller, _pad, distill_loss, make_example, setup_trainable
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import make_pair
-from omnidraft_mlx.policy import LearnedPolicy, PolicyConfig
-from omnidraft_mlx.profile import Profile, load_profile
+from omnidraft_mlx.decode.policy import LearnedPolicy, PolicyConfig
+from omnidraft_mlx.profile.store import Profile, load_profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.speculative import SpecConfig
-from omnidraft_mlx.vocab import VocabMap
+from omnidraft_mlx.decode.speculative import SpecConfig
+from omnidraft_mlx.vocab.tokenmap import VocabMap
 
 # The target's tokenizer learned from json/textwrap/typing: it merges these words, the drafter's does not.
 SPLIT_TEXT = "def dumps(obj, *, skipkeys=False):\n    return textwrap.dedent(s)  # naïve 日本語\n"
@@ -104,7 +104,7 @@ def test_loss_matches_numpy(cross):
     assert all(len(e.direct_draft) and len(e.ngram_pos) for e in examples)
     assert len(examples[0].draft_ids) != len(examples[1].draft_ids)  # padding is exercised
     d = Distiller(cross, DistillConfig())
-    from omnidraft_mlx.distill import _flat, target_logprobs
+    from omnidraft_mlx.learn.distill import _flat, target_logprobs
 
     x = _pad([e.draft_ids for e in examples])
     w = x.shape[1]
@@ -161,7 +161,7 @@ def test_training_lowers_loss_and_raises_acceptance(tiny_dirs, tiny, rank):
 
 
 def test_batch_mode_learns_from_the_targets_own_greedy_replies(tiny_dirs, tiny):
-    from omnidraft_mlx.generate import PlainStats, plain_generate
+    from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 
     dm, dt = load(str(tiny_dirs["draft"]))
     tm, tt = tiny["target"]
@@ -200,7 +200,7 @@ def make_trained_profile(tmp_path, tiny_dirs, tiny, updates=2):
 
 
 def test_task_corpus_text_mode_learns_the_reference_and_stream_answers_the_prompt(cross):
-    from omnidraft_mlx.adapt import asked, task_corpus, text_examples
+    from omnidraft_mlx.learn.adapt import asked, task_corpus, text_examples
 
     sample = task_corpus("math", "adapt")[0]
     assert [m["role"] for m in sample.messages] == ["user", "assistant"]
@@ -212,7 +212,7 @@ def test_task_corpus_text_mode_learns_the_reference_and_stream_answers_the_promp
 
 
 def test_task_corpus_interleaves_several_tasks():
-    from omnidraft_mlx.adapt import task_corpus
+    from omnidraft_mlx.learn.adapt import task_corpus
 
     single = {t: task_corpus(t, "adapt") for t in ("complete", "math", "chat")}
     mixed = task_corpus("complete, math,chat", "adapt")
@@ -254,8 +254,8 @@ KILL_CHILD = textwrap.dedent("""
     import mlx.core as mx
     from mlx.utils import tree_map
     from mlx_lm import load
-    from omnidraft_mlx.distill import DistillConfig, setup_trainable
-    from omnidraft_mlx.profile import load_profile
+    from omnidraft_mlx.learn.distill import DistillConfig, setup_trainable
+    from omnidraft_mlx.profile.store import load_profile
     draft, target, path = sys.argv[1:4]
     model, _ = load(draft)
     profile = load_profile(draft, target, model, trainable=True, path=path)
@@ -282,7 +282,7 @@ def test_kill_during_save_keeps_previous_profile(tmp_path, tiny_dirs):
         child.wait()
         model, _ = load(str(tiny_dirs["draft"]))
         profile = load_profile(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), model, trainable=True, path=path)
-        from omnidraft_mlx.distill import trainable_weights
+        from omnidraft_mlx.learn.distill import trainable_weights
 
         values = {float(v.min()) for v in trainable_weights(model).values()} | {
             float(v.max()) for v in trainable_weights(model).values()}
@@ -292,9 +292,9 @@ def test_kill_during_save_keeps_previous_profile(tmp_path, tiny_dirs):
 DISK_FULL_CHILD = textwrap.dedent("""
     import resource, signal, sys
     from mlx_lm import load
-    from omnidraft_mlx.distill import DistillConfig
+    from omnidraft_mlx.learn.distill import DistillConfig
     from omnidraft_mlx.errors import OmniDraftError
-    from omnidraft_mlx.profile import load_profile
+    from omnidraft_mlx.profile.store import load_profile
     draft, target, path = sys.argv[1:4]
     model, _ = load(draft)
     profile = load_profile(draft, target, model, trainable=True, path=path)

@@ -5,10 +5,10 @@ early leaves the others unchanged."""
 
 import pytest
 
-from omnidraft_mlx.batch import batchable
+from omnidraft_mlx.decode.batch import batchable
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.scheduler import Scheduler
-from omnidraft_mlx.speculative import Decoding, SpecConfig, SpecStats, decode_together, speculative_generate
+from omnidraft_mlx.decode.scheduler import Scheduler
+from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats, decode_together, speculative_generate
 
 PROMPTS = ["def add_7(x):\n    return x + 7\n\nprint(add_7(21))  # two\n\ndef add_1", "print(add_3(9))  # four\n",
            "x", "def add_"]

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from omnidraft_mlx.tasks import ADAPT_SIZE, TASKS, load_task
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.ngram import NGramCache
-from omnidraft_mlx.profile import profile_dir
+from omnidraft_mlx.vocab.ngram import NGramCache
+from omnidraft_mlx.profile.store import profile_dir
 
 
 @pytest.fixture

@@ -58,8 +58,8 @@ def test_served_steps_keep_the_prompt_cache_and_learn_history(cross):
     (its prompt and reply) and the history index learns every reply; plain gets the same tokens."""
     from omnidraft_mlx.bench.agent import agent_prompts
     from omnidraft_mlx.bench.run import Decoding, Method, Serving, run_one
-    from omnidraft_mlx.drafts import SOURCES
-    from omnidraft_mlx.scheduler import Scheduler
+    from omnidraft_mlx.decode.drafts import SOURCES
+    from omnidraft_mlx.decode.scheduler import Scheduler
 
     steps, run = agent_prompts(1, cross, 8), Decoding(8)
     fused, serving, scheduler = Method("fused-k3", "ours", 3, sources=SOURCES), Serving.start(None), Scheduler()

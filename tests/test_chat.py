@@ -13,7 +13,7 @@ import pytest
 
 from omnidraft_mlx.chat import Conversation
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.generate import PlainStats, plain_generate
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.prompts import encode_prompt
 
 PROMPT = "you> "

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from omnidraft_mlx.distributed import shard
-from omnidraft_mlx.profile import load_profile
+from omnidraft_mlx.learn.distributed import shard
+from omnidraft_mlx.profile.store import load_profile
 
 LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
 PROMPTS = [f"def add_{i}(x):\n    return x + {i}\n\nprint(add_{i}(" for i in range(40, 72)]

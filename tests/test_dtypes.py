@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from omnidraft_mlx.distill import DistillConfig, Distiller, fuse_lora, make_example, setup_trainable
+from omnidraft_mlx.learn.distill import DistillConfig, Distiller, fuse_lora, make_example, setup_trainable
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.generate import PlainStats, plain_generate
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.models.convert import convert_dir
 from omnidraft_mlx.pair import make_pair
-from omnidraft_mlx.profile import Profile, load_profile
+from omnidraft_mlx.profile.store import Profile, load_profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 
 from test_models_convert import home, tiny_spec  # noqa: F401 (fixtures)
 from tiny_models import TEXT, corpus, train_tokenizer, write_model

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.generate import PlainStats, plain_generate
-from omnidraft_mlx.ngram import NGramCache
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
+from omnidraft_mlx.vocab.ngram import NGramCache
 from omnidraft_mlx.pair import make_pair
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
-from omnidraft_mlx.translate import complete_utf8, translate_tokens
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.vocab.translate import complete_utf8, translate_tokens
 
 PROMPTS = [
     "def add_7(x):\n    return x + 7\n\nprint(add_7(21))  # two\n\ndef add_1",

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from omnidraft_mlx.align import common_prefix
-from omnidraft_mlx.drafter import DrafterSource
-from omnidraft_mlx.drafts import Context, Draft, DraftSource
-from omnidraft_mlx.generate import PlainStats, plain_generate
-from omnidraft_mlx.lookup import ContextLookup, HistoryIndex, escaped_views, match_class
+from omnidraft_mlx.vocab.align import common_prefix
+from omnidraft_mlx.decode.drafter import DrafterSource
+from omnidraft_mlx.decode.drafts import Context, Draft, DraftSource
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
+from omnidraft_mlx.decode.lookup import ContextLookup, HistoryIndex, escaped_views, match_class
 from omnidraft_mlx.pair import make_pair
-from omnidraft_mlx.policy import FixedPolicy, PolicyConfig
+from omnidraft_mlx.decode.policy import FixedPolicy, PolicyConfig
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.scheduler import Scheduler
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.decode.scheduler import Scheduler
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 
 from tiny_models import build_random_pair
 

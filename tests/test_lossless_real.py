@@ -7,11 +7,11 @@ top-2 logits, shown by the gap; anything else fails."""
 import mlx.core as mx
 import pytest
 
-from omnidraft_mlx.generate import PlainStats, plain_generate
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.loading import load_model
 from omnidraft_mlx.pair import make_pair
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 
 pytestmark = pytest.mark.real
 

@@ -4,15 +4,15 @@ lossless, and each one actually changes how far the drafter goes."""
 import numpy as np
 import pytest
 
-from omnidraft_mlx.generate import PlainStats, plain_generate
-from omnidraft_mlx.adapt import head_labels
-from omnidraft_mlx.distill import make_example
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
+from omnidraft_mlx.learn.adapt import head_labels
+from omnidraft_mlx.learn.distill import make_example
 from omnidraft_mlx.pair import make_pair
-from omnidraft_mlx.head import replay_depths, replay_recent
-from omnidraft_mlx.policy import PolicyConfig, make_policy
+from omnidraft_mlx.decode.head import replay_depths, replay_recent
+from omnidraft_mlx.decode.policy import PolicyConfig, make_policy
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.drafter import drafted_and_kept
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.decode.drafter import drafted_and_kept
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 from tiny_models import TEXT
 
 PROMPTS = [TEXT[i : i + 60] for i in range(0, 1800, 150)]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from omnidraft_mlx.bench.policy_replay import Reply, RoundCost, fit_costs, main, replay
-from omnidraft_mlx.policy import FixedPolicy, OraclePolicy, PolicyConfig
+from omnidraft_mlx.decode.policy import FixedPolicy, OraclePolicy, PolicyConfig
 
 
 def test_fit_costs_recovers_the_per_round_costs():

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 from mlx_lm import load
 
-from omnidraft_mlx.distill import DistillConfig, setup_trainable, trainable_weights
-from omnidraft_mlx.ngram import NGramCache
-from omnidraft_mlx.head import LearnedHead
-from omnidraft_mlx.policy import LearnedPolicy, PolicyConfig
-from omnidraft_mlx.profile import LOCK, MANIFEST, Profile, load_head, load_profile, profile_files
+from omnidraft_mlx.learn.distill import DistillConfig, setup_trainable, trainable_weights
+from omnidraft_mlx.vocab.ngram import NGramCache
+from omnidraft_mlx.decode.head import LearnedHead
+from omnidraft_mlx.decode.policy import LearnedPolicy, PolicyConfig
+from omnidraft_mlx.profile.store import LOCK, MANIFEST, Profile, load_head, load_profile, profile_files
 
 WRITER = Path(__file__).with_name("profile_writer.py")
 
@@ -190,7 +190,7 @@ def test_the_interrupt_checks_can_fail(monkeypatch):
     """Without the deferral a Ctrl-C at that line does leave the cache torn (the test above can fail)."""
     import contextlib
 
-    import omnidraft_mlx.ngram as ngram
+    import omnidraft_mlx.vocab.ngram as ngram
 
     monkeypatch.setattr(ngram, "deferred_interrupt", contextlib.nullcontext)
     cache = NGramCache()

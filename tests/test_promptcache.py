@@ -3,10 +3,10 @@
 import os
 
 from omnidraft_mlx.chat import ChatConfig, ChatSession
-from omnidraft_mlx.generate import PlainStats, plain_generate
-from omnidraft_mlx.promptcache import CacheUse, PromptCache
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
+from omnidraft_mlx.decode.promptcache import CacheUse, PromptCache
 from omnidraft_mlx.prompts import encode_prompt
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 
 CFG = SpecConfig(k=3, max_tokens=24)
 TURNS = ["def add_3(x):", "print(add_", "def add_7(x):\n    return", "print(add_7(21))  # three"]

@@ -8,7 +8,7 @@ The same test must catch a deliberately biased variant, or it proves nothing."""
 
 import pytest
 
-import omnidraft_mlx.speculative as spec
+import omnidraft_mlx.decode.speculative as spec
 import numpy as np
 
 from omnidraft_mlx.bench.sampling_bias import exact_sequence_probs, fit, position_checks, sample_sequences

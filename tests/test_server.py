@@ -11,7 +11,7 @@ import pytest
 from openai import OpenAI
 
 from omnidraft_mlx.bench.load_test import ServerProcess, main as load_test
-from omnidraft_mlx.generate import PlainStats, plain_generate
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.prompts import encode_prompt
 
 KEY = "test-key"
@@ -219,8 +219,8 @@ def test_kill_9_while_serving_and_saving_leaves_a_profile_that_loads(tiny_dirs, 
     queue empties; kill -9 at random moments, then load the profile each time."""
     from mlx_lm import load
 
-    from omnidraft_mlx.policy import LearnedPolicy, PolicyConfig
-    from omnidraft_mlx.profile import load_profile, profile_dir
+    from omnidraft_mlx.decode.policy import LearnedPolicy, PolicyConfig
+    from omnidraft_mlx.profile.store import load_profile, profile_dir
 
     home, rng = tmp_path / "home", random.Random(0)
     prompts = ["print(add_", "def add_3(x):", "def add_{}(x):"]
@@ -285,8 +285,8 @@ def test_serve_learning_while_another_process_saves_the_profile_loses_nothing(ti
     and head labels into the same profile: the profile ends with both's contributions."""
     from test_profile_lock import finish, writer
 
-    from omnidraft_mlx.policy import LearnedPolicy, PolicyConfig
-    from omnidraft_mlx.profile import load_head, load_profile, profile_dir
+    from omnidraft_mlx.decode.policy import LearnedPolicy, PolicyConfig
+    from omnidraft_mlx.profile.store import load_head, load_profile, profile_dir
 
     home, go, saves = tmp_path / "home", tmp_path / "go", 5
     monkeypatch.setenv("OMNIDRAFT_HOME", str(home))

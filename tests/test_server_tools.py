@@ -11,9 +11,9 @@ import pytest
 from mlx_lm.tool_parsers import json_tools
 from openai import OpenAI
 
-from omnidraft_mlx.generate import PlainStats, plain_generate
-from omnidraft_mlx.serve_text import ToolSplit, splitter
-from omnidraft_mlx.serve_tools import ToolFormat, ToolPlan
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
+from omnidraft_mlx.serve.text import ToolSplit, splitter
+from omnidraft_mlx.serve.tools import ToolFormat, ToolPlan
 
 from test_server import KEY, error_of, start
 

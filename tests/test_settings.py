@@ -9,12 +9,12 @@ import pytest
 
 from omnidraft_mlx.bench.run import BenchConfig
 from omnidraft_mlx.chat import ChatConfig
-from omnidraft_mlx.distill import DistillConfig
+from omnidraft_mlx.learn.distill import DistillConfig
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.policy import PolicyConfig
-from omnidraft_mlx.server import ServeConfig
+from omnidraft_mlx.decode.policy import PolicyConfig
+from omnidraft_mlx.serve.server import ServeConfig
 from omnidraft_mlx.settings import check_choice, check_range
-from omnidraft_mlx.speculative import SpecConfig
+from omnidraft_mlx.decode.speculative import SpecConfig
 
 from tiny_models import build_random_pair
 

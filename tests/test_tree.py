@@ -11,9 +11,9 @@ import pytest
 from mlx_lm.models import gemma3_text, llama, qwen2
 from mlx_lm.models.cache import QuantizedKVCache
 
-from omnidraft_mlx.batch import batch_verify
-from omnidraft_mlx.kvcache import KVSlot, make_cache, prefill
-from omnidraft_mlx.tree import PositionsRoPE, TokenTree, keep_path, tree_forward
+from omnidraft_mlx.decode.batch import batch_verify
+from omnidraft_mlx.decode.kvcache import KVSlot, make_cache, prefill
+from omnidraft_mlx.decode.tree import PositionsRoPE, TokenTree, keep_path, tree_forward
 
 VOCAB, WINDOW = 97, 8
 BASE = dict(hidden_size=128, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,

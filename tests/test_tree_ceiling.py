@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from omnidraft_mlx.bench.tree_ceiling import Shape, drafter_forward_s, main, rounds_to_cover, shapes
-from omnidraft_mlx.drafter import BRANCHES
+from omnidraft_mlx.decode.drafter import BRANCHES
 
 
 def test_shapes_count_their_nodes():

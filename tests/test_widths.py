@@ -4,12 +4,12 @@ output stays the target's own (sampling with padding: test_sampling.py)."""
 
 import json
 
-from omnidraft_mlx.fit import VerifyCost
-from omnidraft_mlx.generate import PlainStats, plain_generate
-from omnidraft_mlx.kvcache import KVSlot
+from omnidraft_mlx.decode.fit import VerifyCost
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
+from omnidraft_mlx.decode.kvcache import KVSlot
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.scheduler import Scheduler
-from omnidraft_mlx.widths import costs_path, verify_costs
+from omnidraft_mlx.decode.scheduler import Scheduler
+from omnidraft_mlx.decode.widths import costs_path, verify_costs
 
 from test_lookup import REPEAT, decode
 

@@ -13,10 +13,10 @@ from mlx_lm.models.cache import (
 )
 
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.generate import PlainStats, plain_generate
-from omnidraft_mlx.kvcache import WindowedKVCache, make_cache, prefill, trim_cache
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
+from omnidraft_mlx.decode.kvcache import WindowedKVCache, make_cache, prefill, trim_cache
 from omnidraft_mlx.pair import make_pair
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 
 from tiny_models import TEXT, build_windowed_models
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.kvcache import KVSlot, trim_cache
+from omnidraft_mlx.decode.kvcache import KVSlot, trim_cache
 
 MOST = 16  # draft lengths measured: 0..MOST (a lookup's first draft is 8; doubled, 16)
 PASSES = 3  # over all lengths, each length's fastest kept: a burst of other work slows one pass

@@ -16,8 +16,8 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from omnidraft_mlx.atomic import atomic_write_text
-from omnidraft_mlx.learned import deferred_interrupt
+from omnidraft_mlx.profile.atomic import atomic_write_text
+from omnidraft_mlx.profile.learned import deferred_interrupt
 
 
 class NGramCache:

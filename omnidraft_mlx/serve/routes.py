@@ -21,8 +21,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.serve_replies import complete, error_response, stream
-from omnidraft_mlx.serve_schema import (ApiError, ChatRequest, CompletionRequest, Sampling, chat_messages,
+from omnidraft_mlx.serve.replies import complete, error_response, stream
+from omnidraft_mlx.serve.schema import (ApiError, ChatRequest, CompletionRequest, Sampling, chat_messages,
                                         completion_prompt, parse)
 
 log = logging.getLogger("omnidraft.serve")

@@ -13,9 +13,9 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from omnidraft_mlx.align import common_prefix
+from omnidraft_mlx.vocab.align import common_prefix
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.tree import TokenTree, keep_path, tree_forward
+from omnidraft_mlx.decode.tree import TokenTree, keep_path, tree_forward
 
 PREFILL_CHUNK = 512
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from omnidraft_mlx.align import spelled_bytes
+from omnidraft_mlx.vocab.align import spelled_bytes
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.fit import DraftCost
-from omnidraft_mlx.head import LearnedHead, token_features, update_recent
+from omnidraft_mlx.decode.fit import DraftCost
+from omnidraft_mlx.decode.head import LearnedHead, token_features, update_recent
 from omnidraft_mlx.settings import check_choice, check_range
 
 POLICIES = ("fixed", "confidence", "heuristic", "learned")

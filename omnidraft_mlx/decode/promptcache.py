@@ -23,10 +23,10 @@ from typing import Iterator
 
 from mlx_lm.models.cache import LRUPromptCache
 
-from omnidraft_mlx.kvcache import KVSlot
+from omnidraft_mlx.decode.kvcache import KVSlot
 from omnidraft_mlx.pair import Pair
-from omnidraft_mlx.policy import DraftPolicy
-from omnidraft_mlx.speculative import Decoding, SpecConfig, SpecStats, decode_alone
+from omnidraft_mlx.decode.policy import DraftPolicy
+from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats, decode_alone
 
 DEFAULT_CACHE_BYTES = 2 << 30
 MAX_SEQUENCES = 64  # per cache, both models together; the byte budget usually binds first

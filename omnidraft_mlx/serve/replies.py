@@ -16,8 +16,8 @@ import json
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from omnidraft_mlx.serve_decode import Job, Result
-from omnidraft_mlx.serve_schema import ApiError
+from omnidraft_mlx.serve.request import Job, Result
+from omnidraft_mlx.serve.schema import ApiError
 
 WAITING_S = 5.0  # a queued streaming request gets an SSE comment this often (and notices a disconnect)
 

@@ -26,9 +26,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from omnidraft_mlx.atomic import atomic_write_text
-from omnidraft_mlx.drafts import Context, Draft, DraftSource
-from omnidraft_mlx.learned import deferred_interrupt
+from omnidraft_mlx.profile.atomic import atomic_write_text
+from omnidraft_mlx.decode.drafts import Context, Draft, DraftSource
+from omnidraft_mlx.profile.learned import deferred_interrupt
 
 
 class LookupSource(DraftSource):

@@ -28,7 +28,7 @@ from typing import Callable
 from jinja2 import TemplateError
 
 from omnidraft_mlx.prompts import encode_prompt, has_chat_template
-from omnidraft_mlx.serve_schema import ApiError, ChatRequest
+from omnidraft_mlx.serve.schema import ApiError, ChatRequest
 
 
 @dataclass

@@ -15,7 +15,7 @@ teacher-forced variant for local documents).
   in chat transcripts): one target forward per chunk, no generation.
 After every update the profile is saved (adapter, optimizer, n-grams, corpus
 position), so `omnidraft adapt` resumes where it stopped.
-Batch mode also runs under `mlx.launch` (omnidraft_mlx.distributed): each rank
+Batch mode also runs under `mlx.launch` (omnidraft_mlx.learn.distributed): each rank
 answers its share of every update's prompts, the ranks average their gradients,
 every rank learns n-grams and head labels from all ranks' replies, and rank 0
 alone saves the profile.
@@ -34,16 +34,16 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from omnidraft_mlx.distill import DistillConfig, Distiller, Example, StepStats, make_example
-from omnidraft_mlx.distributed import all_sum, gather_rows, shard, share_tree, world
+from omnidraft_mlx.learn.distill import DistillConfig, Distiller, Example, StepStats, make_example
+from omnidraft_mlx.learn.distributed import all_sum, gather_rows, shard, share_tree, world
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
-from omnidraft_mlx.head import replay_depths, replay_recent
-from omnidraft_mlx.policy import DraftPolicy, LearnedPolicy
-from omnidraft_mlx.profile import Profile
+from omnidraft_mlx.decode.head import replay_depths, replay_recent
+from omnidraft_mlx.decode.policy import DraftPolicy, LearnedPolicy
+from omnidraft_mlx.profile.store import Profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.drafter import output_head
-from omnidraft_mlx.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.decode.drafter import output_head
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 
 TEXT_SUFFIXES_SKIPPED = {".png", ".jpg", ".jpeg", ".gif", ".pdf", ".zip", ".gz", ".bin", ".safetensors", ".pyc"}
 
@@ -243,9 +243,9 @@ def open_learner(draft: str, target: str, models: tuple, cfg: DistillConfig, int
     """A learner on the pair's profile: its adapter, optimizer state and n-grams
     when they exist (the saved adapter's shape wins over cfg's), else a fresh one.
     `models` is (draft model, draft tokenizer, target model, target tokenizer)."""
-    from omnidraft_mlx.distill import setup_trainable
+    from omnidraft_mlx.learn.distill import setup_trainable
     from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.profile import load_profile
+    from omnidraft_mlx.profile.store import load_profile
 
     draft_model, draft_tok, target_model, target_tok = models
     profile = load_profile(draft, target, draft_model, trainable=True, path=path)

@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from omnidraft_mlx.kvcache import KVSlot
-from omnidraft_mlx.tree import TokenTree, positions_rope, tree_mask
+from omnidraft_mlx.decode.kvcache import KVSlot
+from omnidraft_mlx.decode.tree import TokenTree, positions_rope, tree_mask
 
 
 class RowsView:

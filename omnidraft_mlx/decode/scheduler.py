@@ -29,11 +29,11 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from omnidraft_mlx.align import common_prefix
-from omnidraft_mlx.drafts import PLAIN, Context, Draft
-from omnidraft_mlx.fit import VerifyCost
-from omnidraft_mlx.tree import TokenTree
-from omnidraft_mlx.widths import MOST, verify_costs
+from omnidraft_mlx.vocab.align import common_prefix
+from omnidraft_mlx.decode.drafts import PLAIN, Context, Draft
+from omnidraft_mlx.decode.fit import VerifyCost
+from omnidraft_mlx.decode.tree import TokenTree
+from omnidraft_mlx.decode.widths import MOST, verify_costs
 
 
 @dataclass

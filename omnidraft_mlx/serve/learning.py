@@ -40,7 +40,7 @@ class Learning:
     def observe(self, draft_ids: list[int], target_ids: list[int], reply: list[int]) -> None:
         """A reply was served: save soon, and queue it for the drafter's next update, after the
         tail of each prompt (a training sequence must keep the reply within the learner's max_len)."""
-        from omnidraft_mlx.distill import make_example
+        from omnidraft_mlx.learn.distill import make_example
 
         self.dirty = True
         if reply and self.learner is not None:

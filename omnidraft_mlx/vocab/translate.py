@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omnidraft_mlx.ngram import NGramCache
-from omnidraft_mlx.vocab import VocabMap
+from omnidraft_mlx.vocab.ngram import NGramCache
+from omnidraft_mlx.vocab.tokenmap import VocabMap
 
 
 @dataclass

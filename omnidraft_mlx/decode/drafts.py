@@ -14,7 +14,7 @@ import numpy as np
 
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.settings import check_choice
-from omnidraft_mlx.tree import TokenTree
+from omnidraft_mlx.decode.tree import TokenTree
 
 
 @dataclass

@@ -23,9 +23,9 @@ import traceback
 from typing import Callable
 
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.serve_decode import Decoder, Job, Running
-from omnidraft_mlx.serve_learning import Learning
-from omnidraft_mlx.serve_schema import ApiError
+from omnidraft_mlx.serve.request import Decoder, Job, Running
+from omnidraft_mlx.serve.learning import Learning
+from omnidraft_mlx.serve.schema import ApiError
 
 log = logging.getLogger("omnidraft.serve")
 IDLE_S = 0.5  # queue empty this long: save what was learned, run a due drafter update
@@ -66,10 +66,10 @@ class Engine:
         from omnidraft_mlx.chat import make_learner
         from omnidraft_mlx.loading import load_model
         from omnidraft_mlx.pair import context_length, make_pair
-        from omnidraft_mlx.policy import make_policy
-        from omnidraft_mlx.profile import load_profile
-        from omnidraft_mlx.promptcache import PromptCache
-        from omnidraft_mlx.scheduler import Scheduler
+        from omnidraft_mlx.decode.policy import make_policy
+        from omnidraft_mlx.profile.store import load_profile
+        from omnidraft_mlx.decode.promptcache import PromptCache
+        from omnidraft_mlx.decode.scheduler import Scheduler
 
         cfg = self.cfg
         draft_model, draft_tok = load_model(cfg.draft)
@@ -143,7 +143,7 @@ class Engine:
 
     def _round(self) -> None:
         """One round of every active job: plan the drafts, verify them in one target forward, take."""
-        from omnidraft_mlx.batch import verify_together
+        from omnidraft_mlx.decode.batch import verify_together
 
         planned = []
         for running in list(self.active):

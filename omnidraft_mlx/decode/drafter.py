@@ -19,12 +19,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from omnidraft_mlx.align import as_draft_tokens, byte_ends, common_prefix, spelled_bytes
-from omnidraft_mlx.drafts import Context, Draft, DraftSource
-from omnidraft_mlx.kvcache import KVSlot
+from omnidraft_mlx.vocab.align import as_draft_tokens, byte_ends, common_prefix, spelled_bytes
+from omnidraft_mlx.decode.drafts import Context, Draft, DraftSource
+from omnidraft_mlx.decode.kvcache import KVSlot
 from omnidraft_mlx.pair import Pair
-from omnidraft_mlx.policy import DraftPolicy
-from omnidraft_mlx.translate import complete_utf8, translate_text, translate_tokens
+from omnidraft_mlx.decode.policy import DraftPolicy
+from omnidraft_mlx.vocab.translate import complete_utf8, translate_text, translate_tokens
 
 
 BRANCHES = 3  # next-best drafter tokens per drafted position offered as branches (trees)

@@ -26,12 +26,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from omnidraft_mlx.drafts import SOURCES, check_sources
+from omnidraft_mlx.decode.drafts import SOURCES, check_sources
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.policy import PolicyConfig
-from omnidraft_mlx.promptcache import DEFAULT_CACHE_BYTES
-from omnidraft_mlx.serve_engine import Engine
-from omnidraft_mlx.serve_routes import make_app
+from omnidraft_mlx.decode.policy import PolicyConfig
+from omnidraft_mlx.decode.promptcache import DEFAULT_CACHE_BYTES
+from omnidraft_mlx.serve.engine import Engine
+from omnidraft_mlx.serve.routes import make_app
 from omnidraft_mlx.settings import check_range
 
 

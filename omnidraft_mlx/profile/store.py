@@ -43,10 +43,10 @@ from typing import Callable, Iterator
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from omnidraft_mlx.atomic import atomic_write_text
+from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.learned import Part, deferred_interrupt
-from omnidraft_mlx.ngram import NGramCache
+from omnidraft_mlx.profile.learned import Part, deferred_interrupt
+from omnidraft_mlx.vocab.ngram import NGramCache
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -134,7 +134,7 @@ class Profile:
     def attach_history(self):
         """The index of the target's earlier replies (lookup drafting), as a part; returns it.
         It lives in the pair's profile, under the pair's lock, beside the n-grams it complements."""
-        from omnidraft_mlx.lookup import HistoryIndex
+        from omnidraft_mlx.decode.lookup import HistoryIndex
 
         history = HistoryIndex()
         self.attach(HISTORY, history, ".json", HistoryIndex.load)
@@ -155,7 +155,7 @@ class Profile:
             ) from e
 
     def _save_locked(self, model, optimizer, distill, corpus, position, record) -> None:
-        from omnidraft_mlx.distill import trainable_weights
+        from omnidraft_mlx.learn.distill import trainable_weights
 
         disk = _read_manifest(self.path)
         for name, part in self.parts.items():  # take in what others saved since this process last did
@@ -350,7 +350,7 @@ def load_profile(draft_name: str, target_name: str, draft_model=None, trainable:
     For inference (trainable=False) LoRA adapters are fused into the drafter's
     weights; for further training they stay separate and trainable.
     """
-    from omnidraft_mlx.distill import DistillConfig, fuse_lora, setup_trainable, trainable_weights
+    from omnidraft_mlx.learn.distill import DistillConfig, fuse_lora, setup_trainable, trainable_weights
 
     path = Path(path) if path is not None else profile_dir(draft_name, target_name)
     with profile_lock(path, exclusive=False):  # the manifest and the files it names, as one version

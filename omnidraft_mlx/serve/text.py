@@ -11,8 +11,8 @@ whole: as calls at its end, or let go as soon as it cannot be one.
 
 from __future__ import annotations
 
-from omnidraft_mlx.serve_tools import json_calls, may_be_json_calls, parse_calls
-from omnidraft_mlx.textstream import TextStream
+from omnidraft_mlx.serve.tools import json_calls, may_be_json_calls, parse_calls
+from omnidraft_mlx.vocab.textstream import TextStream
 
 
 def held_back(text: str, markers: list[str]) -> int:

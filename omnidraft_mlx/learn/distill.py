@@ -25,11 +25,11 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from omnidraft_mlx.align import align, as_draft_tokens
+from omnidraft_mlx.vocab.align import align, as_draft_tokens
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.settings import check_range
-from omnidraft_mlx.drafter import output_head
+from omnidraft_mlx.decode.drafter import output_head
 
 
 @dataclass
@@ -227,7 +227,7 @@ class Distiller:
         from mlx.nn.utils import average_gradients
         from mlx.utils import tree_map
 
-        from omnidraft_mlx.distributed import all_sum
+        from omnidraft_mlx.learn.distributed import all_sum
 
         t0 = time.perf_counter()
         batch = [e for e in batch if e.positions]

@@ -17,11 +17,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from omnidraft_mlx.promptcache import CacheUse
-from omnidraft_mlx.serve_logprobs import token_logprobs
-from omnidraft_mlx.serve_schema import ApiError, ChatRequest, Sampling, stop_strings
-from omnidraft_mlx.serve_text import ReplyText
-from omnidraft_mlx.serve_tools import ToolPlan, encode, plan_tools
+from omnidraft_mlx.decode.promptcache import CacheUse
+from omnidraft_mlx.serve.logprobs import token_logprobs
+from omnidraft_mlx.serve.schema import ApiError, ChatRequest, Sampling, stop_strings
+from omnidraft_mlx.serve.text import ReplyText
+from omnidraft_mlx.serve.tools import ToolPlan, encode, plan_tools
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Decoder:
 
     def prepare(self, messages: list[dict], raw: bool, req: Sampling, loop) -> Job:
         """Encode a request for both models and check it against the context (any thread)."""
-        from omnidraft_mlx.speculative import SpecConfig
+        from omnidraft_mlx.decode.speculative import SpecConfig
 
         cfg, chat = self.cfg, isinstance(req, ChatRequest)
         tools = plan_tools(req, self.pair.target_tok) if chat else ToolPlan()
@@ -88,7 +88,7 @@ class Decoder:
 
     def start(self, job: Job, scheduler) -> "Running":
         """The job's decoding, prefilled on the prompt cache, its rounds to come (Running.take)."""
-        from omnidraft_mlx.speculative import SpecStats
+        from omnidraft_mlx.decode.speculative import SpecStats
 
         stats, use, rows = SpecStats(), CacheUse(), []
         reply = ReplyText(self.pair.vmap.target_bytes, job.stops, job.tools, job.emit)

@@ -26,8 +26,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from omnidraft_mlx.atomic import atomic_write_bytes
-from omnidraft_mlx.learned import deferred_interrupt
+from omnidraft_mlx.profile.atomic import atomic_write_bytes
+from omnidraft_mlx.profile.learned import deferred_interrupt
 
 FEATURES = ("log_q", "entropy", "depth", "recent_acceptance")  # after the hidden state, if any
 

@@ -23,16 +23,16 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_top_p
 
-from omnidraft_mlx.batch import verify_together
-from omnidraft_mlx.drafter import DrafterSource, softmax
-from omnidraft_mlx.drafts import SOURCES, Context, Draft, check_sources, point_mass
-from omnidraft_mlx.kvcache import KVSlot
-from omnidraft_mlx.lookup import ContextLookup, HistoryIndex, HistorySource, escaped_views
+from omnidraft_mlx.decode.batch import verify_together
+from omnidraft_mlx.decode.drafter import DrafterSource, softmax
+from omnidraft_mlx.decode.drafts import SOURCES, Context, Draft, check_sources, point_mass
+from omnidraft_mlx.decode.kvcache import KVSlot
+from omnidraft_mlx.decode.lookup import ContextLookup, HistoryIndex, HistorySource, escaped_views
 from omnidraft_mlx.pair import Pair
-from omnidraft_mlx.policy import DraftPolicy, FixedPolicy, PolicyConfig
-from omnidraft_mlx.scheduler import Scheduler
+from omnidraft_mlx.decode.policy import DraftPolicy, FixedPolicy, PolicyConfig
+from omnidraft_mlx.decode.scheduler import Scheduler
 from omnidraft_mlx.settings import check_choice, check_range
-from omnidraft_mlx.tree import TokenTree
+from omnidraft_mlx.decode.tree import TokenTree
 
 SAMPLING_MODES = ("exact", "omnidraft")  # exact: direct maps only, provably lossless; omnidraft: + n-grams
 
