@@ -72,8 +72,8 @@ def load(name: str):
 
 
 def phase_before(args) -> None:
-    from omnidraft_mlx.vocab.ngram import NGramCache
     from omnidraft_mlx.pair import make_pair
+    from omnidraft_mlx.vocab.ngram import NGramCache
 
     pair = make_pair(*load(args.draft), *load(args.target))
     empty = NGramCache()
@@ -83,16 +83,24 @@ def phase_before(args) -> None:
 
 
 def phase_adapt(args) -> None:
-    from omnidraft_mlx.learn.adapt import Budget, batch, open_learner, stream, text
-    from omnidraft_mlx.learn.distill import DistillConfig
     from omnidraft_mlx.decode.policy import PolicyConfig, make_policy
     from omnidraft_mlx.decode.speculative import SpecConfig
+    from omnidraft_mlx.learn.adapt import Budget, batch, open_learner, stream, text
+    from omnidraft_mlx.learn.distill import DistillConfig
 
     cfg = DistillConfig(lam=args.lam, lr=args.lr, lora_rank=args.rank, steps=args.steps)
     # Batch mode trains the acceptance head, whatever --policy says (as `omnidraft adapt` does).
     policy = make_policy(PolicyConfig(name=args.policy if args.mode == "stream" else "learned", k=args.k))
-    learner = open_learner(args.draft, args.target, (*load(args.draft), *load(args.target)), cfg, args.interval,
-                           path=profile_path(args), note=print, policy=policy)
+    learner = open_learner(
+        args.draft,
+        args.target,
+        (*load(args.draft), *load(args.target)),
+        cfg,
+        args.interval,
+        path=profile_path(args),
+        note=print,
+        policy=policy,
+    )
     learner.corpus = "adaptation-split:" + ",".join(TASKS)
     learner.position = learner.profile.position(learner.corpus)
     log = args.out / "stream.json"
@@ -109,25 +117,43 @@ def phase_adapt(args) -> None:
     elif args.mode == "batch":  # the target answers `interval` prompts at once, then an update
         records = batch(learner, adapt_stream(), args.stream_tokens, Budget(args.minutes), show)
     else:
-        records = stream(learner, adapt_stream(), SpecConfig(k=args.k, max_tokens=args.stream_tokens),
-                         Budget(args.minutes), show)
+        records = stream(
+            learner, adapt_stream(), SpecConfig(k=args.k, max_tokens=args.stream_tokens), Budget(args.minutes), show
+        )
     wall = (json.loads(log.read_text())["wall_s"] if previous else 0.0) + time.monotonic() - start
-    _save(log, {"records": previous + records, "history": learner.profile.manifest.get("history", []),
-                "settings": {**cfg.__dict__, "interval": args.interval, "stream_tokens": args.stream_tokens,
-                             "k": args.k, "mode": args.mode}, "position": learner.position, "wall_s": wall})
+    _save(
+        log,
+        {
+            "records": previous + records,
+            "history": learner.profile.manifest.get("history", []),
+            "settings": {
+                **cfg.__dict__,
+                "interval": args.interval,
+                "stream_tokens": args.stream_tokens,
+                "k": args.k,
+                "mode": args.mode,
+            },
+            "position": learner.position,
+            "wall_s": wall,
+        },
+    )
 
 
 def phase_after(args) -> None:
-    from omnidraft_mlx.vocab.ngram import NGramCache
     from omnidraft_mlx.pair import make_pair
     from omnidraft_mlx.profile.store import load_profile
+    from omnidraft_mlx.vocab.ngram import NGramCache
 
     (dm, dt), (tm, tt), (am, at) = load(args.draft), load(args.target), load(args.draft)
     profile = load_profile(args.draft, args.target, am, path=profile_path(args))
     base, adapted = make_pair(dm, dt, tm, tt), make_pair(am, at, tm, tt)
     cache, empty = profile.ngrams, NGramCache()
-    conds = {"plain": (base, empty, None), "cache-tokens": (base, cache, "tokens"),
-             "adapted-text": (adapted, cache, "text"), "adapted-tokens": (adapted, cache, "tokens")}
+    conds = {
+        "plain": (base, empty, None),
+        "cache-tokens": (base, cache, "tokens"),
+        "adapted-text": (adapted, cache, "text"),
+        "adapted-tokens": (adapted, cache, "tokens"),
+    }
     if args.ablation:  # the adapted drafter without the n-gram cache; the same learning without the n-gram NLL
         conds["adapted-nocache-tokens"] = (adapted, empty, "tokens")
         if json.loads((args.out / "stream.json").read_text())["records"]:  # a replay needs the stream's replies
@@ -173,8 +199,14 @@ def _save(path: Path, data: dict) -> None:
 
 
 def _write(phase: str, records: list, args) -> None:
-    _save(args.out / f"{phase}.json", {"records": records, "environment": environment_base(),
-                                  "settings": {"prompts_per_task": args.prompts, "max_tokens": args.tokens, "k": args.k}})
+    _save(
+        args.out / f"{phase}.json",
+        {
+            "records": records,
+            "environment": environment_base(),
+            "settings": {"prompts_per_task": args.prompts, "max_tokens": args.tokens, "k": args.k},
+        },
+    )
 
 
 def summarize(records: list) -> dict:
@@ -192,7 +224,8 @@ def summarize(records: list) -> dict:
                 "acceptance": sum(r["accepted"] or 0 for r in mine) / proposed if proposed else None,
                 "tokens_per_forward": sum(r["tokens"] for r in mine) / sum(r["rounds"] for r in mine),
                 "tokens_per_s": sum(r["tokens"] for r in mine) / sum(r["generate_s"] for r in mine),
-                "speedup": sp and sp["median"], "speedup_range": sp and [sp["min"], sp["max"]],
+                "speedup": sp and sp["median"],
+                "speedup_range": sp and [sp["min"], sp["max"]],
                 "prompts": len(mine),
             }
     return out
@@ -214,10 +247,20 @@ def phase_report(args) -> None:
         "peak_memory_gb": max((h["peak_memory_gb"] for h in hist), default=None),
     }
     recs = stream_log["records"]
-    summary = {"draft": args.draft, "target": args.target, "greedy": True, "heldout": results, "learning_cost": cost,
-               "adaptation": {"prompts_seen": stream_log.get("position", len(recs)), "wall_s": stream_log["wall_s"],
-                              "settings": stream_log["settings"], "ngram_cache": recs[-1]["ngrams"] if recs else 0},
-               "environment": after["environment"]}
+    summary = {
+        "draft": args.draft,
+        "target": args.target,
+        "greedy": True,
+        "heldout": results,
+        "learning_cost": cost,
+        "adaptation": {
+            "prompts_seen": stream_log.get("position", len(recs)),
+            "wall_s": stream_log["wall_s"],
+            "settings": stream_log["settings"],
+            "ngram_cache": recs[-1]["ngrams"] if recs else 0,
+        },
+        "environment": after["environment"],
+    }
     _save(args.out / "adaptation.json", summary)
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -228,10 +271,13 @@ def phase_report(args) -> None:
         ax.plot(np.arange(1, len(acc) + 1), acc, ".", alpha=0.3, label="per prompt (on-policy, adapt split)")
         ax.plot(np.arange(w, len(acc) + 1), smooth, "-", label=f"mean of last {w}")
     if len(acc):
-        for name, res, style in (("held-out before", results["before"]["none-text"], "--"),
-                                 ("held-out after", results["after"]["adapted-text"], "-.")):
-            ax.axhline(res["all"]["acceptance"], linestyle=style, color="gray" if "before" in name else "green",
-                       label=name)
+        for name, res, style in (
+            ("held-out before", results["before"]["none-text"], "--"),
+            ("held-out after", results["after"]["adapted-text"], "-."),
+        ):
+            ax.axhline(
+                res["all"]["acceptance"], linestyle=style, color="gray" if "before" in name else "green", label=name
+            )
         ax.set_ylabel("acceptance (accepted / proposed target tokens)")
     else:  # text mode decodes nothing while it learns: its loss per update instead
         ax.plot([h["position"] for h in hist], [h["loss"] for h in hist], "o-", label="distillation loss (new batch)")
@@ -239,12 +285,22 @@ def phase_report(args) -> None:
     ax.set_xlabel("prompts seen")
     ax.set_title(f"{Path(args.draft).name} -> {Path(args.target).name}, greedy, text translation")
     ax.legend(fontsize=8)
-    bars = [("none\ntext", "before", "none-text"), ("none\ntokens", "before", "none-tokens"),
-            ("cache\ntokens", "after", "cache-tokens"), ("adapted\ntokens", "after", "adapted-tokens"),
-            ("adapted\ntext", "after", "adapted-text")]
-    bars += [(label, "after", m) for label, m in (("adapted\nno cache\ntokens", "adapted-nocache-tokens"),
-                                                  ("KL only\ntokens", "klonly-tokens"), ("KL only\ntext", "klonly-text"))
-             if m in results["after"]]
+    bars = [
+        ("none\ntext", "before", "none-text"),
+        ("none\ntokens", "before", "none-tokens"),
+        ("cache\ntokens", "after", "cache-tokens"),
+        ("adapted\ntokens", "after", "adapted-tokens"),
+        ("adapted\ntext", "after", "adapted-text"),
+    ]
+    bars += [
+        (label, "after", m)
+        for label, m in (
+            ("adapted\nno cache\ntokens", "adapted-nocache-tokens"),
+            ("KL only\ntokens", "klonly-tokens"),
+            ("KL only\ntext", "klonly-text"),
+        )
+        if m in results["after"]
+    ]
     for i, task in enumerate(TASKS):
         vals = [results[ph][m][task]["acceptance"] for _, ph, m in bars]
         bx.bar(np.arange(len(bars)) + 0.4 * i, vals, 0.4, label=task)
@@ -268,11 +324,19 @@ def main() -> None:
     ap.add_argument("--lam", type=float, default=0.2)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--mode", choices=["stream", "batch", "text"], default="stream",
-                    help="adapt: stream (Algorithm 2, on-policy), batch (the target's replies by batched decoding) "
-                         "or text (teacher-forced on the reference answers)")
+    ap.add_argument(
+        "--mode",
+        choices=["stream", "batch", "text"],
+        default="stream",
+        help="adapt: stream (Algorithm 2, on-policy), batch (the target's replies by batched decoding) "
+        "or text (teacher-forced on the reference answers)",
+    )
     ap.add_argument("--policy", default="learned", help="adapt: draft-length policy while streaming (its head learns)")
-    ap.add_argument("--ablation", action="store_true", help="after: also the adapted drafter without the n-gram cache, and trained with KL only")
+    ap.add_argument(
+        "--ablation",
+        action="store_true",
+        help="after: also the adapted drafter without the n-gram cache, and trained with KL only",
+    )
     ap.add_argument("--draft", default=DRAFT)
     ap.add_argument("--target", default=TARGET)
     ap.add_argument("--profile", help="where the adaptation profile lives (default: OMNIDRAFT_HOME/bench/)")

@@ -37,17 +37,44 @@ SYSTEM = "You are a coding agent. Use the tools to read, write and test files. A
 TASK = "The tests of `{path}` fail. Fix the file so that they pass."
 PASSED = "All tests passed."
 # Small changes that break a reference solution, tried in order: the first that fails a test is the bug.
-BUGS = ((" <= ", " < "), (" < ", " <= "), (" >= ", " > "), (" > ", " >= "), (" == ", " != "), (" != ", " == "),
-        ("+ 1", "- 1"), ("- 1", "+ 1"), (" and ", " or "), (" or ", " and "), ("True", "False"), ("False", "True"),
-        ("[0]", "[1]"), ("[1:]", "[2:]"), (" + ", " - "), (" - ", " + "), (" * ", " + "), (" % ", " // "),
-        ("reverse=True", "reverse=False"), ("sorted(", "list("), ("0", "1"))
+BUGS = (
+    (" <= ", " < "),
+    (" < ", " <= "),
+    (" >= ", " > "),
+    (" > ", " >= "),
+    (" == ", " != "),
+    (" != ", " == "),
+    ("+ 1", "- 1"),
+    ("- 1", "+ 1"),
+    (" and ", " or "),
+    (" or ", " and "),
+    ("True", "False"),
+    ("False", "True"),
+    ("[0]", "[1]"),
+    ("[1:]", "[2:]"),
+    (" + ", " - "),
+    (" - ", " + "),
+    (" * ", " + "),
+    (" % ", " // "),
+    ("reverse=True", "reverse=False"),
+    ("sorted(", "list("),
+    ("0", "1"),
+)
 
 
 def _tool(name: str, description: str, **params: str) -> dict:
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": {p: {"type": "string", "description": d}
-                                                        for p, d in params.items()}, "required": list(params)}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {p: {"type": "string", "description": d} for p, d in params.items()},
+                "required": list(params),
+            },
+        },
+    }
 
 
 TOOLS = (
@@ -69,8 +96,9 @@ def run_tests(code: str, test: str, entry_point: str, timeout_s: float = TEST_TI
         path = Path(tmp) / "solution.py"
         path.write_text(f"{code}\n\n{test}\n\ncheck({entry_point})\n", "utf-8")
         try:
-            run = subprocess.run([sys.executable, "-I", path.name], cwd=tmp, capture_output=True, text=True,
-                                 timeout=timeout_s)
+            run = subprocess.run(
+                [sys.executable, "-I", path.name], cwd=tmp, capture_output=True, text=True, timeout=timeout_s
+            )
         except subprocess.TimeoutExpired:
             return CheckResult(False, f"FAILED: the tests timed out after {timeout_s:g} s")
     if run.returncode == 0:
@@ -116,14 +144,21 @@ class AgentStep(Prompt):
 
 def call(name: str, arguments: dict) -> dict:
     """An assistant message making one tool call (arguments as objects, as chat templates take them)."""
-    return {"role": "assistant", "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
+    }
 
 
 def opening(problem: Problem) -> list[dict]:
     """The conversation up to step 1: the task, the agent's read_file call and the file."""
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK.format(path=problem.path)},
-            call("read_file", {"path": problem.path}), {"role": "tool", "content": problem.code}]
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": TASK.format(path=problem.path)},
+        call("read_file", {"path": problem.path}),
+        {"role": "tool", "content": problem.code},
+    ]
 
 
 def read_reply(tokenizer, text: str) -> tuple[str, list[dict]]:
@@ -170,8 +205,10 @@ def answered(space: Workspace, tokenizer, reply: str, step: int) -> list[dict]:
     messages, space.last = [said], None
     messages += [{"role": "tool", "content": space.tool(c["function"]["name"], _args(c))} for c in calls]
     if space.last is None:
-        messages += [call("run_tests", {"path": space.problem.path}),
-                     {"role": "tool", "content": space.tool("run_tests", {})}]
+        messages += [
+            call("run_tests", {"path": space.problem.path}),
+            {"role": "tool", "content": space.tool("run_tests", {})},
+        ]
     if space.last.passed:
         change = EDITS[step % len(EDITS)].format(name=space.problem.entry_point)
         messages.append({"role": "user", "content": f"The tests pass. {change} Use write_file."})
@@ -198,4 +235,3 @@ def episode(problem: Problem, pair, max_tokens: int, replied=lambda what: None) 
 def agent_prompts(n: int, pair, max_tokens: int, replied=lambda what: None) -> list[Prompt]:
     """The steps of n episodes, episode after episode (n * (AGENT_STEPS - 1) replies built on)."""
     return [step for problem in problems(n) for step in episode(problem, pair, max_tokens, replied)]
-

@@ -14,8 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.bench.run import environment_base
+from omnidraft_mlx.profile.atomic import atomic_write_text
 
 TURNS = (
     "Write a Python function that parses a line of a CSV file with quoted fields.",
@@ -29,9 +29,9 @@ TURNS = (
 
 def run(draft: str, target: str, max_tokens: int) -> dict:
     from omnidraft_mlx.chat import ChatConfig, ChatSession
+    from omnidraft_mlx.decode.promptcache import PromptCache
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.decode.promptcache import PromptCache
 
     (dm, dt), (tm, tt) = load_model(draft), load_model(target)
     pair = make_pair(dm, dt, tm, tt)
@@ -45,17 +45,29 @@ def run(draft: str, target: str, max_tokens: int) -> dict:
             for _ in session.stream(reply):
                 pass
             session.finish(reply)
-            row[name] = {"ttft_s": reply.ttft_s, "prompt_tokens": len(reply.target_ids),
-                         "cached_tokens": reply.stats.cached_tokens, "reply": reply.text}
+            row[name] = {
+                "ttft_s": reply.ttft_s,
+                "prompt_tokens": len(reply.target_ids),
+                "cached_tokens": reply.stats.cached_tokens,
+                "reply": reply.text,
+            }
         same = row["cached"].pop("reply") == row["no cache"].pop("reply")
         turns.append({**row, "same_reply": same})
-        print(f"turn {i}: TTFT cached {row['cached']['ttft_s']:.2f}s, no cache {row['no cache']['ttft_s']:.2f}s "
-              f"({row['cached']['prompt_tokens']} prompt tokens, {row['cached']['cached_tokens']} cached)", flush=True)
+        print(
+            f"turn {i}: TTFT cached {row['cached']['ttft_s']:.2f}s, no cache {row['no cache']['ttft_s']:.2f}s "
+            f"({row['cached']['prompt_tokens']} prompt tokens, {row['cached']['cached_tokens']} cached)",
+            flush=True,
+        )
     first, last = turns[0]["cached"]["ttft_s"], turns[-1]["cached"]["ttft_s"]
-    return {"draft": draft, "target": target, "max_tokens": max_tokens, "turns": turns,
-            "turn6_over_turn1_cached": last / first,
-            "turn6_over_turn1_no_cache": turns[-1]["no cache"]["ttft_s"] / turns[0]["no cache"]["ttft_s"],
-            "environment": environment_base()}
+    return {
+        "draft": draft,
+        "target": target,
+        "max_tokens": max_tokens,
+        "turns": turns,
+        "turn6_over_turn1_cached": last / first,
+        "turn6_over_turn1_no_cache": turns[-1]["no cache"]["ttft_s"] / turns[0]["no cache"]["ttft_s"],
+        "environment": environment_base(),
+    }
 
 
 def main() -> None:
@@ -67,8 +79,10 @@ def main() -> None:
     args = parser.parse_args()
     result = run(args.draft, args.target, args.max_tokens)
     atomic_write_text(args.out / "chat_ttft.json", json.dumps(result, indent=1))
-    print(f"turn 6 / turn 1 TTFT: cached {result['turn6_over_turn1_cached']:.2f}x, "
-          f"no cache {result['turn6_over_turn1_no_cache']:.2f}x; wrote {args.out / 'chat_ttft.json'}")
+    print(
+        f"turn 6 / turn 1 TTFT: cached {result['turn6_over_turn1_cached']:.2f}x, "
+        f"no cache {result['turn6_over_turn1_no_cache']:.2f}x; wrote {args.out / 'chat_ttft.json'}"
+    )
 
 
 if __name__ == "__main__":

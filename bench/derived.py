@@ -21,10 +21,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.bench.report import prompt_speedup, record_speedup
 from omnidraft_mlx.bench.run import BenchConfig, Decoding, Method, environment_base, rotated, run_one, select_prompts
 from omnidraft_mlx.decode.kvcache import make_cache, prefill, trim_cache
+from omnidraft_mlx.profile.atomic import atomic_write_text
 
 CACHED = 200
 
@@ -123,8 +123,11 @@ def plot(result: dict, path: Path) -> None:
     cost = result["cost_ms"]
     names = list(cost)
     ax = axes[0]
-    ax.barh([Path(n).name for n in names], [cost[n] for n in names],
-            color=["tab:orange" if n == result["derived"] else "tab:blue" for n in names])
+    ax.barh(
+        [Path(n).name for n in names],
+        [cost[n] for n in names],
+        color=["tab:orange" if n == result["derived"] else "tab:blue" for n in names],
+    )
     big = result["targets"][-1]
     ax.axvline(cost[big] / 10, color="red", ls="--", label=f"1/10 of {Path(big).name}")
     ax.set_xlabel("ms per single-token forward (200 cached)")
@@ -186,8 +189,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per task")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--cost-rounds", type=int, default=3)
-    parser.add_argument("--adapted", action="store_true",
-                        help="also decode with each drafter's profile for --target (`omnidraft adapt` first)")
+    parser.add_argument(
+        "--adapted",
+        action="store_true",
+        help="also decode with each drafter's profile for --target (`omnidraft adapt` first)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/derived"))
     args = parser.parse_args()
     ensure_fast_blas()
@@ -199,16 +205,23 @@ def main() -> None:
     big = target if args.big_target == args.target else load_model(args.big_target)[0]
     with _progress(True) as bar:
         cost = measure_costs(
-            full, {args.derived: derived, args.full: full, args.target: target, args.big_target: big},
-            [int(d) for d in args.depths.split(",")], args.cost_rounds, bar,
+            full,
+            {args.derived: derived, args.full: full, args.target: target, args.big_target: big},
+            [int(d) for d in args.depths.split(",")],
+            args.cost_rounds,
+            bar,
         )
         del big
         pairs = {"plain": make_pair(full, full_tok, target, target_tok)}
-        prompts = select_prompts(BenchConfig(draft=args.derived, target=args.target, tasks=args.tasks.split(","),
-                                             prompts=args.prompts), pairs["plain"])
+        prompts = select_prompts(
+            BenchConfig(draft=args.derived, target=args.target, tasks=args.tasks.split(","), prompts=args.prompts),
+            pairs["plain"],
+        )
         methods = [("plain", Method("plain", "plain"))]
-        drafters = [("full", pairs["plain"], args.full_k),
-                    ("derived", make_pair(derived, derived_tok, target, target_tok), args.k)]
+        drafters = [
+            ("full", pairs["plain"], args.full_k),
+            ("derived", make_pair(derived, derived_tok, target, target_tok), args.k),
+        ]
         if args.adapted:  # each drafter again, as its profile for the target left it (adapter, n-gram cache)
             for name, model_name, ks in (("full", args.full, args.full_k), ("derived", args.derived, args.k)):
                 model, tok = load_model(model_name)
@@ -221,11 +234,16 @@ def main() -> None:
         records = decode_all(pairs, methods, prompts, args.max_tokens, bar)
     big_step = cost[args.big_target]
     result = {
-        "derived": args.derived, "full": args.full, "target": args.target,
+        "derived": args.derived,
+        "full": args.full,
+        "target": args.target,
         "targets": [args.target, args.big_target],
         "cost_ms": cost,
-        "cost_ratio": {name: {t: round(cost[t] / ms, 2) for t in (args.target, args.big_target)}
-                       for name, ms in cost.items() if name not in (args.target, args.big_target)},
+        "cost_ratio": {
+            name: {t: round(cost[t] / ms, 2) for t in (args.target, args.big_target)}
+            for name, ms in cost.items()
+            if name not in (args.target, args.big_target)
+        },
         "goal_met": cost[args.derived] <= big_step / 10,
         "derived_info": info,
         "prompt_ids": [p.id for p in prompts],

@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 
 OUT = Path(__file__).parent / "results" / "distributed-adapt"
-ACCEPTANCE = re.compile(r"held-out\s+acceptance\s+([\d.]+)\s+->\s+([\d.]+),\s+tokens/target\s+forward\s+([\d.]+)\s+->\s+([\d.]+)")
+ACCEPTANCE = re.compile(
+    r"held-out\s+acceptance\s+([\d.]+)\s+->\s+([\d.]+),\s+tokens/target\s+forward\s+([\d.]+)\s+->\s+([\d.]+)"
+)
 PROGRESS = re.compile(r"^(\d+)/\d+ prompts .*\| ([\d.]+) prompts/min", re.M)
 
 
@@ -49,9 +51,28 @@ def local(text: str) -> str:
 
 
 def command(args, ranks: int) -> list[str]:
-    adapt = [sys.executable, "-m", "omnidraft_mlx.cli.main", "adapt", "--task", args.task, "--mode", "batch",
-             "--draft", args.draft, "--target", args.target, "--max-prompts", str(args.prompts),
-             "--interval", str(args.interval), "--eval", str(args.eval), "--eval-tokens", str(args.eval_tokens)]
+    adapt = [
+        sys.executable,
+        "-m",
+        "omnidraft_mlx.cli.main",
+        "adapt",
+        "--task",
+        args.task,
+        "--mode",
+        "batch",
+        "--draft",
+        args.draft,
+        "--target",
+        args.target,
+        "--max-prompts",
+        str(args.prompts),
+        "--interval",
+        str(args.interval),
+        "--eval",
+        str(args.eval),
+        "--eval-tokens",
+        str(args.eval_tokens),
+    ]
     if ranks == 1:
         return adapt
     launch = str(Path(sys.executable).parent / "mlx.launch")
@@ -62,16 +83,27 @@ def run(args, ranks: int) -> dict:
     home = fresh_home(args.out / "homes" / f"ranks-{ranks}")
     cmd = command(args, ranks)
     start = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMNIDRAFT_HOME": str(home), "COLUMNS": "200"})
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, "OMNIDRAFT_HOME": str(home), "COLUMNS": "200"}
+    )
     wall = time.monotonic() - start
     acc, progress = ACCEPTANCE.search(out.stdout), PROGRESS.findall(out.stderr)
     if out.returncode or not acc or not progress:
         sys.exit(f"ranks={ranks}: adapt failed (exit {out.returncode})\n{out.stderr[-3000:]}")
     prompts, per_minute = progress[-1]
-    return {"ranks": ranks, "command": local(shlex.join(cmd)), "prompts": int(prompts), "prompts_per_min": float(per_minute),
-            "acceptance_before": float(acc[1]), "acceptance_after": float(acc[2]),
-            "tokens_per_forward_before": float(acc[3]), "tokens_per_forward_after": float(acc[4]),
-            "wall_s": round(wall, 1), "progress": out.stderr.count("prompts/min"), "stdout": local(out.stdout)}
+    return {
+        "ranks": ranks,
+        "command": local(shlex.join(cmd)),
+        "prompts": int(prompts),
+        "prompts_per_min": float(per_minute),
+        "acceptance_before": float(acc[1]),
+        "acceptance_after": float(acc[2]),
+        "tokens_per_forward_before": float(acc[3]),
+        "tokens_per_forward_after": float(acc[4]),
+        "wall_s": round(wall, 1),
+        "progress": out.stderr.count("prompts/min"),
+        "stdout": local(out.stdout),
+    }
 
 
 def main() -> None:
@@ -89,15 +121,20 @@ def main() -> None:
     import mlx.core as mx
 
     runs = [run(args, int(r)) for r in args.ranks.split(",")]
-    result = {"argv": shlex.join(["python", "-m", "omnidraft_mlx.bench.distributed_adapt", *sys.argv[1:]]),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "mlx": mx.__version__},
-              "note": "ranks on one machine share its cores", "runs": runs}
+    result = {
+        "argv": shlex.join(["python", "-m", "omnidraft_mlx.bench.distributed_adapt", *sys.argv[1:]]),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "mlx": mx.__version__},
+        "note": "ranks on one machine share its cores",
+        "runs": runs,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     shutil.rmtree(args.out / "homes", ignore_errors=True)  # profiles of the runs: not results
     for r in runs:
-        print(f"{r['ranks']} rank(s): {r['prompts']} prompts at {r['prompts_per_min']:.1f} prompts/min; held-out "
-              f"acceptance {r['acceptance_before']:.3f} -> {r['acceptance_after']:.3f} ({r['wall_s']:.0f}s in all)")
+        print(
+            f"{r['ranks']} rank(s): {r['prompts']} prompts at {r['prompts_per_min']:.1f} prompts/min; held-out "
+            f"acceptance {r['acceptance_before']:.3f} -> {r['acceptance_after']:.3f} ({r['wall_s']:.0f}s in all)"
+        )
 
 
 if __name__ == "__main__":

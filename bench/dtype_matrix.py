@@ -21,37 +21,68 @@ import subprocess
 import sys
 from pathlib import Path
 
-from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.models.catalog import local_name
 from omnidraft_mlx.models.convert import default_dtype
+from omnidraft_mlx.profile.atomic import atomic_write_text
 
 OUT = Path(__file__).parent / "results" / "dtypes"
 
 
 def bench_command(args, draft: str, target: str, out: Path) -> list[str]:
-    return [sys.executable, "-m", "omnidraft_mlx.cli.main", "bench", "--draft", draft, "--target", target,
-            "--task", args.task, "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens),
-            "--k", str(args.k), "--no-mlx-lm", "--no-profile", "--out", os.path.relpath(out)]
+    return [
+        sys.executable,
+        "-m",
+        "omnidraft_mlx.cli.main",
+        "bench",
+        "--draft",
+        draft,
+        "--target",
+        target,
+        "--task",
+        args.task,
+        "--prompts",
+        str(args.prompts),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--k",
+        str(args.k),
+        "--no-mlx-lm",
+        "--no-profile",
+        "--out",
+        os.path.relpath(out),
+    ]
 
 
 def cell(bench: dict, draft_dtype: str, target_dtype: str) -> dict:
     """The speculative method's row of one bench, all its tasks pooled."""
     rows = [r for r in bench["summary"] if r["method"] != "plain"]
     row = next(r for r in rows if r["task"] == "all") if len(rows) > 1 else rows[0]
-    return {"draft_dtype": draft_dtype, "target_dtype": target_dtype, "method": row["method"],
-            "prompts": row["prompts"], "acceptance": row["acceptance"], "tokens_per_forward": row["tokens_per_forward"],
-            "speedup_median": row["speedup_median"], "speedup_min": row["speedup_min"],
-            "speedup_max": row["speedup_max"], "all_equal_to_plain": row["all_equal_to_plain"]}
+    return {
+        "draft_dtype": draft_dtype,
+        "target_dtype": target_dtype,
+        "method": row["method"],
+        "prompts": row["prompts"],
+        "acceptance": row["acceptance"],
+        "tokens_per_forward": row["tokens_per_forward"],
+        "speedup_median": row["speedup_median"],
+        "speedup_min": row["speedup_min"],
+        "speedup_max": row["speedup_max"],
+        "all_equal_to_plain": row["all_equal_to_plain"],
+    }
 
 
 def table(cells: list[dict]) -> str:
-    lines = ["| drafter | target | acceptance | tokens / target forward | equal to plain | speedup here (median, range) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| drafter | target | acceptance | tokens / target forward | equal to plain | speedup here (median, range) |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in cells:
         mark = "" if c["draft_dtype"] == c["target_dtype"] == "float32" else " *"
-        lines.append(f"| {c['draft_dtype']} | {c['target_dtype']} | {c['acceptance']:.3f} | "
-                     f"{c['tokens_per_forward']:.2f} | {'yes' if c['all_equal_to_plain'] else '**no**'} | "
-                     f"{c['speedup_median']:.2f}x ({c['speedup_min']:.2f}-{c['speedup_max']:.2f}){mark} |")
+        lines.append(
+            f"| {c['draft_dtype']} | {c['target_dtype']} | {c['acceptance']:.3f} | "
+            f"{c['tokens_per_forward']:.2f} | {'yes' if c['all_equal_to_plain'] else '**no**'} | "
+            f"{c['speedup_median']:.2f}x ({c['speedup_min']:.2f}-{c['speedup_max']:.2f}){mark} |"
+        )
     return "\n".join(lines) + "\n\n\\* not representative of a Mac: this CPU runs that dtype's matmuls slowly.\n"
 
 
@@ -100,8 +131,13 @@ def main() -> None:
                 subprocess.run(cmd, check=True)
             cells.append(cell(json.loads((out / "bench.json").read_text()), draft_dtype, target_dtype))
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"argv": shlex.join(["python", "-m", "omnidraft_mlx.bench.dtype_matrix", *sys.argv[1:]]),
-              "draft": args.draft, "target": args.target, "bench_commands": commands, "cells": cells}
+    result = {
+        "argv": shlex.join(["python", "-m", "omnidraft_mlx.bench.dtype_matrix", *sys.argv[1:]]),
+        "draft": args.draft,
+        "target": args.target,
+        "bench_commands": commands,
+        "cells": cells,
+    }
     atomic_write_text(args.out / "matrix.json", json.dumps(result, indent=1))
     atomic_write_text(args.out / "matrix.md", table(cells))
     plot(cells, dtypes, args.out / "matrix.png")

@@ -12,8 +12,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.decode.kvcache import make_cache, prefill, trim_cache
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 
 CACHED = 200  # tokens already in the KV cache, as mid-generation
 WIDTHS = (1, 4, 8)

@@ -38,15 +38,14 @@ from pathlib import Path
 
 import numpy as np
 
-from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+from omnidraft_mlx.profile.atomic import atomic_write_text
 
 
 class ServerProcess:
     """`omnidraft serve` in a child process on a free local port; ready once /health answers."""
 
-    def __init__(self, draft: str, target: str, log: Path, *args: str, env: dict | None = None,
-                 start_s: float = 600):
+    def __init__(self, draft: str, target: str, log: Path, *args: str, env: dict | None = None, start_s: float = 600):
         import httpx
 
         with socket.socket() as s:
@@ -54,11 +53,23 @@ class ServerProcess:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log)
-        argv = [sys.executable, "-m", "omnidraft_mlx.cli.main", "serve", "--draft", draft, "--target", target,
-                "--port", str(self.port), *args]
+        argv = [
+            sys.executable,
+            "-m",
+            "omnidraft_mlx.cli.main",
+            "serve",
+            "--draft",
+            draft,
+            "--target",
+            target,
+            "--port",
+            str(self.port),
+            *args,
+        ]
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(argv, env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}, stdout=out,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                argv, env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}, stdout=out, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + start_s
         while True:
             if self.proc.poll() is not None:
@@ -117,9 +128,14 @@ def run_client(url: str, model: str, requests: list[Request], max_tokens: int, t
         for r in requests:
             r.start_s = time.perf_counter() - t0
             try:
-                stream = client.chat.completions.create(model=model, messages=r.messages, max_tokens=max_tokens,
-                                                        temperature=0, stream=True,
-                                                        stream_options={"include_usage": True})
+                stream = client.chat.completions.create(
+                    model=model,
+                    messages=r.messages,
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
                 for chunk in stream:
                     if chunk.usage is not None:
                         r.usage = chunk.usage.model_dump()
@@ -146,13 +162,18 @@ def repeated_prompt(url: str, model: str, prompts: list, examples: int, max_toke
         run_client(url, model, [r], max_tokens, time.perf_counter())
         if r.error or not r.usage:
             return {"error": r.error or "no usage"}
-    return {"prompt_tokens": first.usage["prompt_tokens"],
-            "cached_tokens": [first.usage["prompt_tokens_details"]["cached_tokens"],
-                              again.usage["prompt_tokens_details"]["cached_tokens"]],
-            "first_token_s": [first.first_token_s, again.first_token_s],
-            "first_token_ratio": again.first_token_s / first.first_token_s
-            if first.first_token_s and again.first_token_s else None,
-            "same_reply": first.text == again.text}
+    return {
+        "prompt_tokens": first.usage["prompt_tokens"],
+        "cached_tokens": [
+            first.usage["prompt_tokens_details"]["cached_tokens"],
+            again.usage["prompt_tokens_details"]["cached_tokens"],
+        ],
+        "first_token_s": [first.first_token_s, again.first_token_s],
+        "first_token_ratio": again.first_token_s / first.first_token_s
+        if first.first_token_s and again.first_token_s
+        else None,
+        "same_reply": first.text == again.text,
+    }
 
 
 def plain_replies(target: str, requests: list[Request], max_tokens: int) -> dict[str, str]:
@@ -180,17 +201,25 @@ def percentiles(values: list[float]) -> dict | None:
 def serve_clients(args, batch: int, prompts: list, repeat: bool) -> dict:
     """One server (--batch batch) and the clients' requests: what happened, before comparing."""
     total = args.clients * args.requests
-    requests = [Request(i % args.clients, p.id, p.messages())
-                for i, p in enumerate(prompts[j % len(prompts)] for j in range(total))]
-    server = ServerProcess(args.draft, args.target, args.out / f"server-batch{batch}.log", "--no-profile",
-                           "--batch", str(batch))
+    requests = [
+        Request(i % args.clients, p.id, p.messages())
+        for i, p in enumerate(prompts[j % len(prompts)] for j in range(total))
+    ]
+    server = ServerProcess(
+        args.draft, args.target, args.out / f"server-batch{batch}.log", "--no-profile", "--batch", str(batch)
+    )
     try:
-        repeated = repeated_prompt(server.url, args.target, prompts, args.repeat_examples, args.max_tokens) \
-            if repeat else None
+        repeated = (
+            repeated_prompt(server.url, args.target, prompts, args.repeat_examples, args.max_tokens) if repeat else None
+        )
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=run_client, args=(server.url, args.target,
-                                                             [r for r in requests if r.client == c], args.max_tokens, t0))
-                   for c in range(args.clients)]
+        threads = [
+            threading.Thread(
+                target=run_client,
+                args=(server.url, args.target, [r for r in requests if r.client == c], args.max_tokens, t0),
+            )
+            for c in range(args.clients)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -199,8 +228,14 @@ def serve_clients(args, batch: int, prompts: list, repeat: bool) -> dict:
         health = server.health()
     finally:
         status = server.stop()
-    return {"batch": batch, "requests": requests, "wall_s": wall_s, "server_health": health,
-            "server_exit_status": status, "repeated": repeated}
+    return {
+        "batch": batch,
+        "requests": requests,
+        "wall_s": wall_s,
+        "server_health": health,
+        "server_exit_status": status,
+        "repeated": repeated,
+    }
 
 
 def summary(run: dict, plain: dict[str, str]) -> dict:
@@ -219,13 +254,20 @@ def summary(run: dict, plain: dict[str, str]) -> dict:
         "server_exit_status": run["server_exit_status"],
         "server_health": run["server_health"],
         "wall_s": wall_s,
-        "throughput": {"completion_tokens_per_s": tokens / wall_s, "requests_per_s": len(complete) / wall_s,
-                       "completion_tokens": tokens},
-        "latency_s": {"first_token": percentiles([r.first_token_s for r in complete if r.first_token_s is not None]),
-                      "request": percentiles([r.total_s for r in complete])},
-        "speculative": {"acceptance": accepted / proposed if proposed else None,
-                        "tokens_per_target_forward": tokens / forwards if forwards else None,
-                        "cached_prompt_tokens": sum(r.usage["prompt_tokens_details"]["cached_tokens"] for r in complete)},
+        "throughput": {
+            "completion_tokens_per_s": tokens / wall_s,
+            "requests_per_s": len(complete) / wall_s,
+            "completion_tokens": tokens,
+        },
+        "latency_s": {
+            "first_token": percentiles([r.first_token_s for r in complete if r.first_token_s is not None]),
+            "request": percentiles([r.total_s for r in complete]),
+        },
+        "speculative": {
+            "acceptance": accepted / proposed if proposed else None,
+            "tokens_per_target_forward": tokens / forwards if forwards else None,
+            "cached_prompt_tokens": sum(r.usage["prompt_tokens_details"]["cached_tokens"] for r in complete),
+        },
         "records": [{**asdict(r), "equal_to_plain": r.text == plain[r.prompt_id]} for r in requests],
     }
 
@@ -238,14 +280,18 @@ def main(argv=None) -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per client, one after another")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", default="8,1", help="the server's --batch per run, in order (1: one at a time)")
-    ap.add_argument("--repeat-examples", type=int, default=50,
-                    help="chat prompts in the repeated request's system prompt (its length)")
+    ap.add_argument(
+        "--repeat-examples",
+        type=int,
+        default=50,
+        help="chat prompts in the repeated request's system prompt (its length)",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/serve-load"))
     args = ap.parse_args(argv)
     try:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:
-        raise SystemExit(f"--batch: '{args.batch}' is not a comma-separated list of numbers, e.g. 8,1")
+        raise SystemExit(f"--batch: '{args.batch}' is not a comma-separated list of numbers, e.g. 8,1") from None
     if min(args.clients, args.requests, args.max_tokens, *batches) < 1:
         raise SystemExit("--clients, --requests, --max-tokens and --batch must be at least 1")
 
@@ -260,38 +306,60 @@ def main(argv=None) -> None:
     first, last = runs[0], runs[-1]
     result = {
         "command": " ".join(["python -m omnidraft_mlx.bench.load_test", *(argv if argv is not None else sys.argv[1:])]),
-        "config": {"draft": args.draft, "target": args.target, "clients": args.clients,
-                   "repeat_examples": args.repeat_examples, "batches": batches,
-                   "requests_per_client": args.requests, "max_tokens": args.max_tokens, "greedy": True,
-                   "server_args": ["--no-profile", "--batch B"]},
+        "config": {
+            "draft": args.draft,
+            "target": args.target,
+            "clients": args.clients,
+            "repeat_examples": args.repeat_examples,
+            "batches": batches,
+            "requests_per_client": args.requests,
+            "max_tokens": args.max_tokens,
+            "greedy": True,
+            "server_args": ["--no-profile", "--batch B"],
+        },
         "environment": environment_base(),
         "runs": runs,
         "first_over_last": {
             "completion_tokens_per_s": first["throughput"]["completion_tokens_per_s"]
             / max(last["throughput"]["completion_tokens_per_s"], 1e-9),
             "first_token_p50": (first["latency_s"]["first_token"] or {}).get("p50", 0)
-            / max((last["latency_s"]["first_token"] or {}).get("p50", 0), 1e-9)},
+            / max((last["latency_s"]["first_token"] or {}).get("p50", 0), 1e-9),
+        },
         "repeated_prompt": served[0]["repeated"],
     }
     atomic_write_text(args.out / "load_test.json", json.dumps(result, indent=1))
     for run in runs:
         lat, tput = run["latency_s"], run["throughput"]
-        print(f"--batch {run['batch']}: {run['complete']}/{run['requests']} replies complete, {run['equal_to_plain']} "
-              f"equal to plain greedy decoding; {tput['completion_tokens_per_s']:.1f} tokens/s, "
-              f"{tput['requests_per_s']:.2f} requests/s over {run['wall_s']:.1f}s"
-              + (f"; first token p50 {lat['first_token']['p50']:.2f}s p90 {lat['first_token']['p90']:.2f}s; "
-                 f"request p50 {lat['request']['p50']:.2f}s p90 {lat['request']['p90']:.2f}s" if run["complete"] else ""))
+        print(
+            f"--batch {run['batch']}: {run['complete']}/{run['requests']} replies complete, {run['equal_to_plain']} "
+            f"equal to plain greedy decoding; {tput['completion_tokens_per_s']:.1f} tokens/s, "
+            f"{tput['requests_per_s']:.2f} requests/s over {run['wall_s']:.1f}s"
+            + (
+                f"; first token p50 {lat['first_token']['p50']:.2f}s p90 {lat['first_token']['p90']:.2f}s; "
+                f"request p50 {lat['request']['p50']:.2f}s p90 {lat['request']['p90']:.2f}s"
+                if run["complete"]
+                else ""
+            )
+        )
     repeated = result["repeated_prompt"]
-    print(f"--batch {first['batch']} against {last['batch']}: "
-          f"{result['first_over_last']['completion_tokens_per_s']:.2f}x the tokens/s, first token p50 "
-          f"{result['first_over_last']['first_token_p50']:.2f}x as late; a repeated {repeated.get('prompt_tokens')}-token "
-          f"prompt: first token {repeated.get('first_token_ratio') or 0:.2f}x as late -> {args.out / 'load_test.json'}")
+    print(
+        f"--batch {first['batch']} against {last['batch']}: "
+        f"{result['first_over_last']['completion_tokens_per_s']:.2f}x the tokens/s, first token p50 "
+        f"{result['first_over_last']['first_token_p50']:.2f}x as late; "
+        f"a repeated {repeated.get('prompt_tokens')}-token "
+        f"prompt: first token {repeated.get('first_token_ratio') or 0:.2f}x as late -> {args.out / 'load_test.json'}"
+    )
     bad = [run for run in runs if run["equal_to_plain"] < run["requests"] or run["server_exit_status"] != 0]
     if bad:
-        raise SystemExit("; ".join(f"--batch {run['batch']}: {run['requests'] - run['complete']} replies lost or "
-                                   f"incomplete, {run['complete'] - run['equal_to_plain']} differ from plain decoding, "
-                                   f"server exit status {run['server_exit_status']}" for run in bad)
-                         + f": see {args.out / 'load_test.json'}")
+        raise SystemExit(
+            "; ".join(
+                f"--batch {run['batch']}: {run['requests'] - run['complete']} replies lost or "
+                f"incomplete, {run['complete'] - run['equal_to_plain']} differ from plain decoding, "
+                f"server exit status {run['server_exit_status']}"
+                for run in bad
+            )
+            + f": see {args.out / 'load_test.json'}"
+        )
 
 
 if __name__ == "__main__":

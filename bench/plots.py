@@ -82,8 +82,11 @@ def plot_time_split(result: dict, path: Path) -> None:
     rows = _rows(result)
     tasks, methods = _names(result)
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 4), sharey=True, squeeze=False)
-    parts = [("draft_ms_per_token", "drafting"), ("verify_ms_per_token", "verification (target)"),
-             ("other_ms_per_token", "everything else")]
+    parts = [
+        ("draft_ms_per_token", "drafting"),
+        ("verify_ms_per_token", "verification (target)"),
+        ("other_ms_per_token", "everything else"),
+    ]
     for ax, task in zip(axes[0], tasks):
         x = np.arange(len(methods))
         bottom = np.zeros(len(methods))
@@ -92,8 +95,12 @@ def plot_time_split(result: dict, path: Path) -> None:
             ax.bar(x, vals, 0.7, bottom=bottom, label=label)
             bottom += vals
         # Methods whose time cannot be split (mlx-lm) show their total in grey.
-        unsplit = np.array([0.0 if rows[task, m]["draft_ms_per_token"] is not None
-                            else rows[task, m]["generate_ms_per_token"] for m in methods])
+        unsplit = np.array(
+            [
+                0.0 if rows[task, m]["draft_ms_per_token"] is not None else rows[task, m]["generate_ms_per_token"]
+                for m in methods
+            ]
+        )
         ax.bar(x, unsplit, 0.7, color="grey", label="not split (mlx-lm)" if unsplit.any() else None)
         ax.set_xticks(x, methods, rotation=60, ha="right", fontsize=7)
         ax.set_title(task, fontsize=9)
@@ -122,8 +129,9 @@ def plot_gamma(result: dict, path: Path) -> None:
             axes[0].axhline(rows[task, auto]["speedup_median"], color=color, ls="--", lw=1, label=f"{task}: gamma auto")
         if fixed:
             best = max(fixed, key=lambda m: rows[task, m]["speedup_median"])
-            axes[0].axhline(rows[task, best]["speedup_median"], color=color, ls=":", lw=1,
-                            label=f"{task}: best fixed ({best})")
+            axes[0].axhline(
+                rows[task, best]["speedup_median"], color=color, ls=":", lw=1, label=f"{task}: best fixed ({best})"
+            )
     axes[0].set_ylabel("speedup over plain (median)")
     axes[1].set_ylabel("target tokens per target forward")
     for ax in axes:

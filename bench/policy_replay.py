@@ -37,14 +37,15 @@ import mlx.core as mx
 import numpy as np
 
 from omnidraft_mlx.bench.report import record_speedup, speedup
-from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.decode.head import FEATURES, replay_depths, replay_recent
 from omnidraft_mlx.decode.policy import DraftPolicy, FixedPolicy, LearnedPolicy, OraclePolicy, PolicyConfig, parse_gamma
+from omnidraft_mlx.errors import OmniDraftError
 
 
 @dataclass
 class RoundCost:
     """Seconds of one round, fitted on a bench's fixed-k records (least squares over k)."""
+
     step_s: float  # a plain target step
     resync_s: float  # the drafter's re-sync forward, which drafts the first token
     forward_s: float  # each further drafter forward
@@ -118,8 +119,9 @@ def replay(reply: Reply, policy: DraftPolicy, cost: RoundCost, oracle: bool = Fa
         policy.observe(feats, [j < right for j in range(drafted)])
         draft_s, verify_s = cost.drafting_s(drafted), cost.verifying_s(drafted)
         round_s = draft_s + verify_s
-        policy.time_round(draft_s=draft_s, forwards=drafted, verify_s=verify_s, drafted=drafted, round_s=round_s,
-                          tokens=right + 1)
+        policy.time_round(
+            draft_s=draft_s, forwards=drafted, verify_s=verify_s, drafted=drafted, round_s=round_s, tokens=right + 1
+        )
         seconds, rounds, proposed, start = seconds + round_s, rounds + 1, proposed + drafted, start + right + 1
     return seconds, rounds, proposed
 
@@ -138,8 +140,10 @@ def fit_head(policy: LearnedPolicy, replies: list[Reply], steps: int = 1500) -> 
 
 def measured(records: list[dict], task: str, method: str) -> float | None:
     """The bench's speedup of `method` on `task` (report.speedup's median)."""
+
     def of(name):
         return [r for r in records if r["task"] == task and r["method"] == name]
+
     sp = record_speedup(of(method), of("plain"))
     return sp and sp["median"]
 
@@ -149,9 +153,12 @@ def main(argv=None) -> None:
     ap.add_argument("bench_dir", type=Path)
     ap.add_argument("--gamma", default="0.2,0.3,0.4,0.5,0.6,0.7,0.8,auto")
     ap.add_argument("--max-k", type=int, default=8)
-    ap.add_argument("--in-sample", action="store_true",
-                    help="also replay heads fitted on each task's replies themselves: the most any head on its "
-                         "features could gain there")
+    ap.add_argument(
+        "--in-sample",
+        action="store_true",
+        help="also replay heads fitted on each task's replies themselves: the most any head on its "
+        "features could gain there",
+    )
     args = ap.parse_args(argv)
     if not (args.bench_dir / "bench.json").is_file():
         raise SystemExit(f"no bench.json in {args.bench_dir}: give the --out folder of an `omnidraft bench` run")
@@ -168,14 +175,17 @@ def main(argv=None) -> None:
 
     from omnidraft_mlx.bench.run import BenchConfig, load_pair
     from omnidraft_mlx.models.pull import model_home
-    from omnidraft_mlx.tasks import load_task
     from omnidraft_mlx.profile.store import load_head
+    from omnidraft_mlx.tasks import load_task
 
     pair, profile, _ = load_pair(BenchConfig(draft=cfg["draft"], target=cfg["target"], tasks=cfg["tasks"]))
     texts = {p.id: p.text for task in cfg["tasks"] for p in load_task(task, "heldout")}
     feature_policy = LearnedPolicy(PolicyConfig(name="learned", max_k=args.max_k))
-    replies = [teacher_forced(pair, feature_policy, texts[r["prompt_id"]], r["output"], r["task"])
-               for r in records if r["kind"] == "plain"]
+    replies = [
+        teacher_forced(pair, feature_policy, texts[r["prompt_id"]], r["output"], r["task"])
+        for r in records
+        if r["kind"] == "plain"
+    ]
 
     def learned(gamma, fit_on=None):
         policy = LearnedPolicy(PolicyConfig(name="learned", max_k=args.max_k, gamma=gamma))
@@ -193,15 +203,22 @@ def main(argv=None) -> None:
             suffix = "" if gamma is None else f"-g{gamma:g}"
             methods[f"ours-learned{suffix}"] = lambda g=gamma: learned(g)
             if args.in_sample:
-                methods[f"ours-insample{suffix}"] = lambda g=gamma: learned(g, fit_on=task_replies)
+                methods[f"ours-insample{suffix}"] = lambda g=gamma, fit=task_replies: learned(g, fit_on=fit)
         methods["ours-oracle"] = lambda: OraclePolicy(PolicyConfig(name="oracle", max_k=args.max_k))
         for name, make in methods.items():
             policy = make()
             runs = [replay(r, policy, cost, oracle=name == "ours-oracle") for r in task_replies]
             seconds, rounds, proposed = (sum(x) for x in zip(*runs))
             replayed = speedup((r.target_tokens / s, 1 / cost.step_s) for r, (s, _, _) in zip(task_replies, runs))
-            rows.append({"task": task, "method": name, "speedup": replayed["median"],
-                         "measured": measured(records, task, name), "draft_per_round": proposed / rounds})
+            rows.append(
+                {
+                    "task": task,
+                    "method": name,
+                    "speedup": replayed["median"],
+                    "measured": measured(records, task, name),
+                    "draft_per_round": proposed / rounds,
+                }
+            )
     report = {"bench": str(args.bench_dir), "cost": vars(cost), "max_k": args.max_k, "rows": rows}
     (args.bench_dir / "replay.json").write_text(json.dumps(report, indent=1))
     print_table(report)
@@ -210,8 +227,11 @@ def main(argv=None) -> None:
 
 def best_fixed(report: dict, task: str) -> tuple[float, str]:
     """The best fixed length's replayed speedup on `task`, and its name."""
-    return max((r["speedup"], r["method"]) for r in report["rows"]
-               if r["task"] == task and r["method"].startswith("ours-k") and r["method"][6:].isdigit())
+    return max(
+        (r["speedup"], r["method"])
+        for r in report["rows"]
+        if r["task"] == task and r["method"].startswith("ours-k") and r["method"][6:].isdigit()
+    )
 
 
 def print_table(report: dict) -> None:
@@ -223,8 +243,14 @@ def print_table(report: dict) -> None:
         table.add_column(col)
     for row in report["rows"]:
         best, _ = best_fixed(report, row["task"])
-        table.add_row(row["task"], row["method"], f"{row['speedup']:.2f}x", f"{row['speedup'] / best - 1:+.1%}",
-                      f"{row['measured']:.2f}x" if row["measured"] else "", f"{row['draft_per_round']:.2f}")
+        table.add_row(
+            row["task"],
+            row["method"],
+            f"{row['speedup']:.2f}x",
+            f"{row['speedup'] / best - 1:+.1%}",
+            f"{row['measured']:.2f}x" if row["measured"] else "",
+            f"{row['draft_per_round']:.2f}",
+        )
     Console(width=120).print(table)
 
 

@@ -38,8 +38,12 @@ def speedup(rates) -> dict | None:
     ratios = [s for tps, plain in rates if (s := prompt_speedup(tps, plain)) is not None]
     if not ratios:
         return None
-    return {"median": float(np.median(ratios)), "min": float(min(ratios)), "max": float(max(ratios)),
-            "prompts": len(ratios)}
+    return {
+        "median": float(np.median(ratios)),
+        "min": float(min(ratios)),
+        "max": float(max(ratios)),
+        "prompts": len(ratios),
+    }
 
 
 def record_speedup(records: list[dict], plain: list[dict]) -> dict | None:
@@ -70,12 +74,20 @@ def episodes(records: list[dict]) -> list[dict]:
     for (episode, method), group in steps.items():
         rate, plain_rate = _episode_rate(group), _episode_rate(steps.get((episode, "plain"), []))
         equal = [r["equal_to_plain"] for r in group]
-        rows.append({
-            "episode": episode, "method": method, "steps": len(group), "tokens": sum(r["tokens"] for r in group),
-            "generate_s": sum(r["generate_s"] for r in group), "tokens_per_s": rate, "plain_tokens_per_s": plain_rate,
-            "step_speedups": [r["speedup"] for r in group], "speedup": prompt_speedup(rate, plain_rate),
-            "all_equal_to_plain": None if None in equal else all(equal),
-        })
+        rows.append(
+            {
+                "episode": episode,
+                "method": method,
+                "steps": len(group),
+                "tokens": sum(r["tokens"] for r in group),
+                "generate_s": sum(r["generate_s"] for r in group),
+                "tokens_per_s": rate,
+                "plain_tokens_per_s": plain_rate,
+                "step_speedups": [r["speedup"] for r in group],
+                "speedup": prompt_speedup(rate, plain_rate),
+                "all_equal_to_plain": None if None in equal else all(equal),
+            }
+        )
     return rows
 
 
@@ -108,34 +120,41 @@ def summarize(records: list[dict]) -> list[dict]:
             speedups = [r["speedup"] for r in group if r["speedup"] is not None]
             tokens, gen = _total(group, "tokens"), _total(group, "generate_s")
             ep = episode_speedup(per_episode, method) if task in (ALL, AGENT) else None
-            rows.append({
-                "task": task, "method": method, "prompts": len(group),
-                "ttft_s": float(np.median([r["ttft_s"] for r in group])),
-                "tokens_per_s": float(np.median([r["tokens_per_s"] for r in group])),
-                "speedup_median": sp.get("median"), "speedup_min": sp.get("min"), "speedup_max": sp.get("max"),
-                "speedup_iqr": [float(q) for q in np.percentile(speedups, [25, 75])] if speedups else None,
-                # The agent task's whole episodes (steps summed); None without any.
-                "episodes": ep and ep["prompts"], "episode_speedup_median": ep and ep["median"],
-                "episode_speedup_min": ep and ep["min"], "episode_speedup_max": ep and ep["max"],
-                # Pooled over the group's tokens, not averaged over prompts.
-                "acceptance": _ratio(_total(group, "accepted"), _total(group, "proposed")),
-                "tokens_per_forward": _ratio(tokens, _total(group, "rounds")),
-                # Token trees: nodes verified per target forward, and the accepted tokens branches held.
-                "nodes_per_round": _ratio(_total(group, "proposed"), _total(group, "rounds")),
-                "branch_held": _total(group, "branch_held"),
-                "draft_ms_per_token": _ratio(_total(group, "draft_s"), tokens / 1000 if tokens else None),
-                "verify_ms_per_token": _ratio(_total(group, "verify_s"), tokens / 1000 if tokens else None),
-                "other_ms_per_token": _ratio(_total(group, "other_s"), tokens / 1000 if tokens else None),
-                "generate_ms_per_token": _ratio(gen, tokens / 1000 if tokens else None),
-                "ngram_hits": _total(group, "ngram_hits"),
-                # None: sampled, compared by distribution
-                "all_equal_to_plain": None if any(r["equal_to_plain"] is None for r in group)
-                else all(r["equal_to_plain"] for r in group),
-                "rounds_by_source": _rounds_by_source(group),
-                "mismatches": [
-                    {"prompt_id": r["prompt_id"], **r["mismatch"]} for r in group if r["mismatch"]
-                ],
-            })
+            rows.append(
+                {
+                    "task": task,
+                    "method": method,
+                    "prompts": len(group),
+                    "ttft_s": float(np.median([r["ttft_s"] for r in group])),
+                    "tokens_per_s": float(np.median([r["tokens_per_s"] for r in group])),
+                    "speedup_median": sp.get("median"),
+                    "speedup_min": sp.get("min"),
+                    "speedup_max": sp.get("max"),
+                    "speedup_iqr": [float(q) for q in np.percentile(speedups, [25, 75])] if speedups else None,
+                    # The agent task's whole episodes (steps summed); None without any.
+                    "episodes": ep and ep["prompts"],
+                    "episode_speedup_median": ep and ep["median"],
+                    "episode_speedup_min": ep and ep["min"],
+                    "episode_speedup_max": ep and ep["max"],
+                    # Pooled over the group's tokens, not averaged over prompts.
+                    "acceptance": _ratio(_total(group, "accepted"), _total(group, "proposed")),
+                    "tokens_per_forward": _ratio(tokens, _total(group, "rounds")),
+                    # Token trees: nodes verified per target forward, and the accepted tokens branches held.
+                    "nodes_per_round": _ratio(_total(group, "proposed"), _total(group, "rounds")),
+                    "branch_held": _total(group, "branch_held"),
+                    "draft_ms_per_token": _ratio(_total(group, "draft_s"), tokens / 1000 if tokens else None),
+                    "verify_ms_per_token": _ratio(_total(group, "verify_s"), tokens / 1000 if tokens else None),
+                    "other_ms_per_token": _ratio(_total(group, "other_s"), tokens / 1000 if tokens else None),
+                    "generate_ms_per_token": _ratio(gen, tokens / 1000 if tokens else None),
+                    "ngram_hits": _total(group, "ngram_hits"),
+                    # None: sampled, compared by distribution
+                    "all_equal_to_plain": None
+                    if any(r["equal_to_plain"] is None for r in group)
+                    else all(r["equal_to_plain"] for r in group),
+                    "rounds_by_source": _rounds_by_source(group),
+                    "mismatches": [{"prompt_id": r["prompt_id"], **r["mismatch"]} for r in group if r["mismatch"]],
+                }
+            )
     return rows
 
 
@@ -161,20 +180,47 @@ def _split(row: dict) -> str:
 def table(rows: list[dict], title: str) -> Table:
     """A markdown-styled table (it prints as valid markdown)."""
     t = Table(title=title, box=box.MARKDOWN, title_justify="left")
-    for col in ("task", "method", "n", "TTFT s", "tok/s", "speedup (min-max)", "accept",
-                "tok/fwd", "nodes/fwd", "held on branches", "draft/verify/other %", "n-gram hits", "= plain", "rounds by source %", "episode speedup"):
+    for col in (
+        "task",
+        "method",
+        "n",
+        "TTFT s",
+        "tok/s",
+        "speedup (min-max)",
+        "accept",
+        "tok/fwd",
+        "nodes/fwd",
+        "held on branches",
+        "draft/verify/other %",
+        "n-gram hits",
+        "= plain",
+        "rounds by source %",
+        "episode speedup",
+    ):
         t.add_column(col, justify="left" if col in ("task", "method") else "right")
     for r in rows:
         t.add_row(
-            r["task"], r["method"], str(r["prompts"]), f"{r['ttft_s']:.2f}", f"{r['tokens_per_s']:.2f}",
+            r["task"],
+            r["method"],
+            str(r["prompts"]),
+            f"{r['ttft_s']:.2f}",
+            f"{r['tokens_per_s']:.2f}",
             f"{_fmt(r['speedup_median'], '.2f')}x ({_fmt(r['speedup_min'], '.2f')}-{_fmt(r['speedup_max'], '.2f')})",
-            _fmt(r["acceptance"], ".2f"), _fmt(r["tokens_per_forward"], ".2f"),
-            _fmt(r["nodes_per_round"], ".1f"), _fmt(r["branch_held"], ".0f"), _split(r),
+            _fmt(r["acceptance"], ".2f"),
+            _fmt(r["tokens_per_forward"], ".2f"),
+            _fmt(r["nodes_per_round"], ".1f"),
+            _fmt(r["branch_held"], ".0f"),
+            _split(r),
             _fmt(r["ngram_hits"], ".0f"),
-            "n/a" if r["all_equal_to_plain"] is None else "yes" if r["all_equal_to_plain"]
+            "n/a"
+            if r["all_equal_to_plain"] is None
+            else "yes"
+            if r["all_equal_to_plain"]
             else f"NO ({len(r['mismatches'])})",
             _shares(r["rounds_by_source"]),
-            "-" if r["episodes"] is None else f"{r['episode_speedup_median']:.2f}x "
+            "-"
+            if r["episodes"] is None
+            else f"{r['episode_speedup_median']:.2f}x "
             f"({r['episode_speedup_min']:.2f}-{r['episode_speedup_max']:.2f}, {r['episodes']})",
         )
     return t
@@ -187,8 +233,10 @@ def pair_name(cfg: dict) -> str:
 def title_of(result: dict) -> str:
     cfg, env = result["config"], result["environment"]
     decoding = f"temperature {cfg['temp']:g}, seed {cfg['seed']}" if cfg.get("temp") else "greedy"
-    return (f"{pair_name(cfg)}, {decoding}, {cfg['max_tokens']} tokens, "
-            f"{len(cfg['prompt_ids'])} prompts ({env['blas']}, mlx {env['mlx']}, mlx-lm {env['mlx_lm']})")
+    return (
+        f"{pair_name(cfg)}, {decoding}, {cfg['max_tokens']} tokens, "
+        f"{len(cfg['prompt_ids'])} prompts ({env['blas']}, mlx {env['mlx']}, mlx-lm {env['mlx_lm']})"
+    )
 
 
 def write_results(result: dict, out: Path, console) -> dict[str, Path]:

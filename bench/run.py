@@ -37,23 +37,23 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from omnidraft_mlx.bench.report import prompt_speedup
 from omnidraft_mlx.bench.agent import AGENT_STEPS, agent_prompts
+from omnidraft_mlx.bench.report import prompt_speedup
 from omnidraft_mlx.bench.usecases import USE_CASES, edit_prompts, file_prompts, multiturn_prompts, prompt_ids
-from omnidraft_mlx.tasks import TASKS, Prompt, check_task, load_task
-from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.decode.plain import PlainStats, plain_generate
-from omnidraft_mlx.models.pull import model_home
-from omnidraft_mlx.decode.policy import POLICIES, DraftPolicy, LearnedPolicy, OraclePolicy, PolicyConfig, make_policy
-from omnidraft_mlx.profile.store import load_head
-from omnidraft_mlx.settings import check_choice, check_range
-from omnidraft_mlx.decode.lookup import HistoryIndex
-from omnidraft_mlx.decode.promptcache import PromptCache
 from omnidraft_mlx.decode.drafter import output_head
-from omnidraft_mlx.decode.kvcache import KVSlot, prefill
 from omnidraft_mlx.decode.drafts import SOURCES
+from omnidraft_mlx.decode.kvcache import KVSlot, prefill
+from omnidraft_mlx.decode.lookup import HistoryIndex
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
+from omnidraft_mlx.decode.policy import POLICIES, DraftPolicy, LearnedPolicy, OraclePolicy, PolicyConfig, make_policy
+from omnidraft_mlx.decode.promptcache import PromptCache
 from omnidraft_mlx.decode.scheduler import Scheduler
 from omnidraft_mlx.decode.speculative import SAMPLING_MODES, SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.models.pull import model_home
+from omnidraft_mlx.profile.store import load_head
+from omnidraft_mlx.settings import check_choice, check_range
+from omnidraft_mlx.tasks import TASKS, Prompt, check_task, load_task
 
 WARMUP_PROMPT = "Say hello."
 BENCH_POLICIES = (*POLICIES[1:], "oracle")  # adaptive policies to compare; the oracle is a bound
@@ -170,10 +170,22 @@ def methods_for(cfg: BenchConfig, same_vocab: bool) -> list[Method]:
                 methods.append(Method(f"lookup{tag}", "ours", max(cfg.ks), sources=sources, guard=guard))
                 continue
             prefix = "ours" if family == "drafter" else "fused"
-            methods += [Method(f"{prefix}-{name}{tag}{'-tree' if tree else ''}", "ours", k, policy=p, gamma=g,
-                               sources=sources, guard=guard, tree=tree, **fields)
-                        for name, k, fields, p, g in drafters if family == "drafter" or p != "oracle"
-                        for tree in cfg.trees]
+            methods += [
+                Method(
+                    f"{prefix}-{name}{tag}{'-tree' if tree else ''}",
+                    "ours",
+                    k,
+                    policy=p,
+                    gamma=g,
+                    sources=sources,
+                    guard=guard,
+                    tree=tree,
+                    **fields,
+                )
+                for name, k, fields, p, g in drafters
+                if family == "drafter" or p != "oracle"
+                for tree in cfg.trees
+            ]
     if same_vocab and cfg.mlx_lm:
         methods += [Method(f"mlxlm-k{k}", "mlxlm", k) for k in cfg.ks]
     return methods
@@ -246,7 +258,7 @@ class TargetPrefix:
     seconds: float
 
     @classmethod
-    def of(cls, pair, target_ids: list[int]) -> "TargetPrefix":
+    def of(cls, pair, target_ids: list[int]) -> TargetPrefix:
         start = time.perf_counter()
         slot = KVSlot.fresh(pair.target)
         slot.extend(pair.target, target_ids[:-1])
@@ -266,50 +278,105 @@ class Serving:
     history: HistoryIndex
 
     @classmethod
-    def start(cls, history: HistoryIndex | None) -> "Serving":
+    def start(cls, history: HistoryIndex | None) -> Serving:
         return cls(PromptCache(), copy.deepcopy(history) if history is not None else HistoryIndex())
 
 
 def _run_plain(pair, target: KVSlot, target_ids: list[int], max_tokens: int, temp: float, seed: int) -> dict:
     stats = PlainStats()
-    out = list(plain_generate(pair.target, pair.target_tok, target_ids[len(target.tokens) :], stats, temp=temp,
-                              max_tokens=max_tokens, seed=seed, prompt_cache=target.cache))
+    out = list(
+        plain_generate(
+            pair.target,
+            pair.target_tok,
+            target_ids[len(target.tokens) :],
+            stats,
+            temp=temp,
+            max_tokens=max_tokens,
+            seed=seed,
+            prompt_cache=target.cache,
+        )
+    )
     return {
-        "output": out, "ttft_s": stats.prefill_s, "generate_s": stats.generate_s,
-        "tokens_per_s": stats.tokens_per_s, "rounds": len(out),
+        "output": out,
+        "ttft_s": stats.prefill_s,
+        "generate_s": stats.generate_s,
+        "tokens_per_s": stats.tokens_per_s,
+        "rounds": len(out),
         # Plain decoding is all target forwards.
-        "draft_s": 0.0, "verify_s": stats.generate_s, "other_s": 0.0,
+        "draft_s": 0.0,
+        "verify_s": stats.generate_s,
+        "other_s": 0.0,
     }
 
 
-def _run_ours(pair, target: KVSlot | None, draft_ids, target_ids, method: Method, run: Decoding, policy: DraftPolicy,
-              scheduler: Scheduler | None, serving: Serving | None = None) -> dict:
+def _run_ours(
+    pair,
+    target: KVSlot | None,
+    draft_ids,
+    target_ids,
+    method: Method,
+    run: Decoding,
+    policy: DraftPolicy,
+    scheduler: Scheduler | None,
+    serving: Serving | None = None,
+) -> dict:
     """Decoded from the target's prefix slot, or (with `serving`) on the server's path: from the method's
     prompt cache, with its history index learning from the reply."""
     stats = SpecStats()
-    cfg = SpecConfig(k=method.k, max_tokens=run.max_tokens, translation=method.translation, sampling=method.sampling,
-                     temp=run.temp, seed=run.seed, sources=method.sources, guard=method.guard,
-                     tree=method.tree)
+    cfg = SpecConfig(
+        k=method.k,
+        max_tokens=run.max_tokens,
+        translation=method.translation,
+        sampling=method.sampling,
+        temp=run.temp,
+        seed=run.seed,
+        sources=method.sources,
+        guard=method.guard,
+        tree=method.tree,
+    )
     out = []
     if serving is None:  # the profile's history index is read, never learned into: runs stay reproducible
-        rounds = speculative_generate(pair, draft_ids, target_ids, cfg, stats, policy, history=run.history,
-                                      target_slot=target, learn_history=False, scheduler=scheduler)
+        rounds = speculative_generate(
+            pair,
+            draft_ids,
+            target_ids,
+            cfg,
+            stats,
+            policy,
+            history=run.history,
+            target_slot=target,
+            learn_history=False,
+            scheduler=scheduler,
+        )
     else:
-        rounds = serving.cache.generate(pair, draft_ids, target_ids, cfg, stats, policy, history=serving.history,
-                                        scheduler=scheduler)
+        rounds = serving.cache.generate(
+            pair, draft_ids, target_ids, cfg, stats, policy, history=serving.history, scheduler=scheduler
+        )
     for new, _ in rounds:
         out += new
         if isinstance(policy, OraclePolicy):
             policy.advance(new)
     return {
-        "output": out, "ttft_s": stats.prefill_s, "generate_s": stats.generate_s,
-        "tokens_per_s": stats.tokens_per_s, "rounds": stats.rounds,
-        "proposed": stats.proposed, "accepted": stats.accepted, "branched": stats.branched,
+        "output": out,
+        "ttft_s": stats.prefill_s,
+        "generate_s": stats.generate_s,
+        "tokens_per_s": stats.tokens_per_s,
+        "rounds": stats.rounds,
+        "proposed": stats.proposed,
+        "accepted": stats.accepted,
+        "branched": stats.branched,
         "branch_held": stats.branch_held,
-        "draft_s": stats.draft_s, "verify_s": stats.verify_s, "other_s": stats.other_s,
-        "draft_forwards": stats.draft_forwards, "ngram_hits": stats.ngram_hits,
-        "round_ends": dict(stats.round_ends), "drafted": stats.drafted, "by_source": stats.by_source,
-        "padded": stats.padded, "pad_held": stats.pad_held, "cached_tokens": stats.cached_tokens,
+        "draft_s": stats.draft_s,
+        "verify_s": stats.verify_s,
+        "other_s": stats.other_s,
+        "draft_forwards": stats.draft_forwards,
+        "ngram_hits": stats.ngram_hits,
+        "round_ends": dict(stats.round_ends),
+        "drafted": stats.drafted,
+        "by_source": stats.by_source,
+        "padded": stats.padded,
+        "pad_held": stats.pad_held,
+        "cached_tokens": stats.cached_tokens,
     }
 
 
@@ -324,8 +391,13 @@ def _run_mlxlm(pair, target: KVSlot, target_ids: list[int], k: int, max_tokens: 
     start = time.perf_counter()
     out, drafted = [], []
     responses = stream_generate(
-        pair.target, pair.target_tok, target_ids[-1:], max_tokens=max_tokens,
-        draft_model=pair.draft, num_draft_tokens=k, prompt_cache=caches[0] + caches[1],
+        pair.target,
+        pair.target_tok,
+        target_ids[-1:],
+        max_tokens=max_tokens,
+        draft_model=pair.draft,
+        num_draft_tokens=k,
+        prompt_cache=caches[0] + caches[1],
     )
     for r in responses:
         # The last response repeats nothing: it carries the token that stopped the loop.
@@ -341,11 +413,16 @@ def _run_mlxlm(pair, target: KVSlot, target_ids: list[int], k: int, max_tokens: 
             proposed += min(k, max_tokens - i)
         rounds += not from_draft
     return {
-        "output": out, "ttft_s": ttft, "generate_s": generate_s,
+        "output": out,
+        "ttft_s": ttft,
+        "generate_s": generate_s,
         "tokens_per_s": len(out) / generate_s if generate_s else 0.0,
         "rounds": rounds + (bool(drafted) and drafted[-1]),
-        "proposed": proposed, "accepted": sum(drafted),
-        "draft_s": None, "verify_s": None, "other_s": None,  # not visible inside mlx-lm
+        "proposed": proposed,
+        "accepted": sum(drafted),
+        "draft_s": None,
+        "verify_s": None,
+        "other_s": None,  # not visible inside mlx-lm
     }
 
 
@@ -368,9 +445,16 @@ def first_mismatch(pair, target_ids: list[int], reference: list[int], output: li
     }
 
 
-def run_one(pair, method: Method, prompt: Prompt, run: Decoding, policy: DraftPolicy | None = None,
-            scheduler: Scheduler | None = None, prefix: TargetPrefix | None = None,
-            serving: Serving | None = None) -> dict:
+def run_one(
+    pair,
+    method: Method,
+    prompt: Prompt,
+    run: Decoding,
+    policy: DraftPolicy | None = None,
+    scheduler: Scheduler | None = None,
+    prefix: TargetPrefix | None = None,
+    serving: Serving | None = None,
+) -> dict:
     """One decode of prompt by method (its policy and scheduler carry over from its earlier decodes),
     from the target's prefill of the prompt (made here if not given), or for our methods given
     `serving`, from the prompt cache (prompt_s 0: its prefill is the method's own)."""
@@ -388,12 +472,27 @@ def run_one(pair, method: Method, prompt: Prompt, run: Decoding, policy: DraftPo
     result["prompt_s"], result["ttft_s"] = prefix.seconds, prefix.seconds + result["ttft_s"]
     tokens = len(result["output"])
     record = {
-        "prompt_id": prompt.id, "task": prompt.task, "method": method.name, "kind": method.kind,
-        "k": method.k, "translation": method.translation, "sampling": method.sampling, "policy": method.policy,
-        "prompt_tokens": len(target_ids), "seed": run.seed if run.temp else None,
-        "tokens": tokens, "proposed": None, "accepted": None, "draft_forwards": None,
-        "ngram_hits": None, "round_ends": None, "by_source": None, "branched": None, "branch_held": None,
-        "tree": method.tree, **result,
+        "prompt_id": prompt.id,
+        "task": prompt.task,
+        "method": method.name,
+        "kind": method.kind,
+        "k": method.k,
+        "translation": method.translation,
+        "sampling": method.sampling,
+        "policy": method.policy,
+        "prompt_tokens": len(target_ids),
+        "seed": run.seed if run.temp else None,
+        "tokens": tokens,
+        "proposed": None,
+        "accepted": None,
+        "draft_forwards": None,
+        "ngram_hits": None,
+        "round_ends": None,
+        "by_source": None,
+        "branched": None,
+        "branch_held": None,
+        "tree": method.tree,
+        **result,
     }
     record["acceptance"] = record["accepted"] / record["proposed"] if record["proposed"] else None
     record["tokens_per_forward"] = tokens / record["rounds"] if record["rounds"] else None
@@ -418,8 +517,9 @@ def _git_commit() -> str | None:
     import subprocess
 
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
@@ -476,10 +576,17 @@ def load_pair(cfg: BenchConfig):
     profile = load_profile(cfg.draft, cfg.target, draft) if cfg.use_profile else None
     pair = make_pair(draft, draft_tok, target, target_tok, profile and profile.ngrams)
     history = profile.attach_history() if profile is not None else None
-    used = None if profile is None else {
-        "path": recorded_path(profile.path), "adapter": bool(profile.distill), "updates": profile.updates,
-        "ngrams": len(profile.ngrams), "history": len(history),
-    }
+    used = (
+        None
+        if profile is None
+        else {
+            "path": recorded_path(profile.path),
+            "adapter": bool(profile.distill),
+            "updates": profile.updates,
+            "ngrams": len(profile.ngrams),
+            "history": len(history),
+        }
+    )
     return pair, used, history
 
 
@@ -530,14 +637,21 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
             record["speedup"] = prompt_speedup(record["tokens_per_s"], plain["tokens_per_s"])
             # Sampled outputs differ from plain's by design: they are compared by distribution.
             compare = record is not plain and cfg.temp == 0
-            record["mismatch"] = first_mismatch(pair, target_ids, plain["output"], record["output"]) if compare else None
+            record["mismatch"] = (
+                first_mismatch(pair, target_ids, plain["output"], record["output"]) if compare else None
+            )
             record["equal_to_plain"] = record["mismatch"] is None if cfg.temp == 0 else None
             records.append(record)
     return {
-        "config": {**asdict(cfg), "methods": [asdict(m) for m in methods],
-                   "prompt_ids": [p.id for p in prompts], "vocab_intersection": pair.vmap.size,
-                   "same_vocab": pair.vmap.same_vocab, "ngram_cache_at_start": ngrams_at_start,
-                   "profile": profile},
+        "config": {
+            **asdict(cfg),
+            "methods": [asdict(m) for m in methods],
+            "prompt_ids": [p.id for p in prompts],
+            "vocab_intersection": pair.vmap.size,
+            "same_vocab": pair.vmap.same_vocab,
+            "ngram_cache_at_start": ngrams_at_start,
+            "profile": profile,
+        },
         "environment": env,
         "records": records,
     }

@@ -39,9 +39,9 @@ import mlx.core as mx
 import numpy as np
 from scipy.stats import chisquare
 
+from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats, decode_together, target_probs
 from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats, decode_together, target_probs
 
 
 def exact_sequence_probs(model, prompt_ids, eos, length, temp, top_p, min_prob=1e-7) -> dict:
@@ -62,24 +62,47 @@ def exact_sequence_probs(model, prompt_ids, eos, length, temp, top_p, min_prob=1
     return probs
 
 
-def sample_sequences(pair, prompt, mode, n, length, temp, top_p, k=3, sources="drafter",
-                     scheduler=None, tree=True, beside: str | None = None) -> tuple[Counter, SpecStats]:
+def sample_sequences(
+    pair,
+    prompt,
+    mode,
+    n,
+    length,
+    temp,
+    top_p,
+    k=3,
+    sources="drafter",
+    scheduler=None,
+    tree=True,
+    beside: str | None = None,
+) -> tuple[Counter, SpecStats]:
     """n sampled continuations of prompt, drafted by `sources` (every round, no guard), with the
     drafter's branches or without; `scheduler`: makes each one's Scheduler (None: the default);
     `beside`: a prompt whose own sampled reply shares each one's target forwards (two requests
     in a batch, as `omnidraft serve` decodes them)."""
+
     def ids(text):
         msgs = user_messages(text)
         return encode_prompt(pair.draft_tok, msgs, True), encode_prompt(pair.target_tok, msgs, True)
 
     counts, stats = Counter(), SpecStats()
     for seed in range(n):
-        cfg = SpecConfig(k=k, temp=temp, top_p=top_p, max_tokens=length, sampling=mode, seed=seed,
-                         sources=sources, guard=False, tree=tree)
+        cfg = SpecConfig(
+            k=k,
+            temp=temp,
+            top_p=top_p,
+            max_tokens=length,
+            sampling=mode,
+            seed=seed,
+            sources=sources,
+            guard=False,
+            tree=tree,
+        )
         decodings = [Decoding(pair, *ids(prompt), cfg, stats, scheduler=scheduler and scheduler())]
         if beside:
-            decodings.append(Decoding(pair, *ids(beside), replace(cfg, seed=n + seed, max_tokens=length + 2),
-                                      SpecStats()))
+            decodings.append(
+                Decoding(pair, *ids(beside), replace(cfg, seed=n + seed, max_tokens=length + 2), SpecStats())
+            )
         sequence = []
         for taken in decode_together(decodings):
             sequence += taken.get(0, ([], []))[0]
@@ -115,14 +138,21 @@ def main(out: str, samples: int = 3000, length: int = 3, temp: float = 1.0, top_
     dirs = build_tiny_models(root)  # the test suite's tiny trained pair
     # A drafter with a near-byte-level vocabulary, so that many target tokens
     # are spelled by several draft tokens and the n-gram cache matters.
-    fine = write_model(root / "fine-draft", train_tokenizer(corpus("draft"), 290), 48, 2, seed=5,
-                       train_text=TEXT, train_steps=300)
+    fine = write_model(
+        root / "fine-draft", train_tokenizer(corpus("draft"), 290), 48, 2, seed=5, train_text=TEXT, train_steps=300
+    )
     (dm, dt), (tm, tt) = load(str(fine)), load(str(dirs["target"]))
     pair = make_pair(dm, dt, tm, tt)
     # Fill the n-gram cache as use would: verified text teaches the merges.
     pair.learn_ngrams(list(tt.encode(TEXT, add_special_tokens=False)))
-    result = {"samples": samples, "length": length, "temp": temp, "top_p": top_p,
-              "ngram_cache": len(pair.ngrams), "prompts": {}}
+    result = {
+        "samples": samples,
+        "length": length,
+        "temp": temp,
+        "top_p": top_p,
+        "ngram_cache": len(pair.ngrams),
+        "prompts": {},
+    }
     eos = set(tt.eos_token_ids) | {pair.vmap.target_eos}
     for prompt in ["def add_", "print(add_", "    return x + "]:
         expected = exact_sequence_probs(tm, encode_prompt(tt, user_messages(prompt), True), eos, length, temp, top_p)
@@ -130,9 +160,13 @@ def main(out: str, samples: int = 3000, length: int = 3, temp: float = 1.0, top_
         for mode in ["exact", "omnidraft"]:
             counts, stats = sample_sequences(pair, prompt, mode, samples, length, temp, top_p)
             pvalue, categories = fit(counts, expected)
-            rows[mode] = {"chi2_pvalue": pvalue, "categories": categories,
-                          "total_variation": total_variation(counts, expected),
-                          "acceptance": stats.acceptance, "ngram_hits": stats.ngram_hits}
+            rows[mode] = {
+                "chi2_pvalue": pvalue,
+                "categories": categories,
+                "total_variation": total_variation(counts, expected),
+                "acceptance": stats.acceptance,
+                "ngram_hits": stats.ngram_hits,
+            }
             print(prompt, mode, rows[mode])
         result["prompts"][prompt] = rows
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -140,8 +174,16 @@ def main(out: str, samples: int = 3000, length: int = 3, temp: float = 1.0, top_
     return result
 
 
-def position_checks(target, prompt_ids: list[int], reply: list[int], ended: bool, temp: float, top_p: float,
-                    eos: list[int], category: np.ndarray) -> np.ndarray:
+def position_checks(
+    target,
+    prompt_ids: list[int],
+    reply: list[int],
+    ended: bool,
+    temp: float,
+    top_p: float,
+    eos: list[int],
+    category: np.ndarray,
+) -> np.ndarray:
     """Per emitted token (and the end of the reply, if it ended): [category observed, its
     probability, log p(token), its mean and variance] under the target's own sampling, all
     end-of-sequence tokens counted as one outcome (a reply records no end token)."""
@@ -153,8 +195,15 @@ def position_checks(target, prompt_ids: list[int], reply: list[int], ended: bool
     mean = (outcomes * logs).sum(axis=1)
     emitted = reply + ([outcomes.shape[1] - 1] if ended else [])
     category = np.append(category, 0.0)
-    return np.column_stack([category[emitted], outcomes @ category, logs[np.arange(len(emitted)), emitted], mean,
-                            (outcomes * logs**2).sum(axis=1) - mean**2])
+    return np.column_stack(
+        [
+            category[emitted],
+            outcomes @ category,
+            logs[np.arange(len(emitted)), emitted],
+            mean,
+            (outcomes * logs**2).sum(axis=1) - mean**2,
+        ]
+    )
 
 
 def check_bench(bench_dir: str) -> dict:
@@ -181,7 +230,8 @@ def check_bench(bench_dir: str) -> dict:
         ids = encode_prompt(pair.target_tok, prompts[r["prompt_id"]].messages())
         ended = len(r["output"]) < cfg["max_tokens"]
         groups.setdefault((r["task"], r["method"]), []).append(
-            position_checks(pair.target, ids, r["output"], ended, cfg["temp"], top_p, eos, category))
+            position_checks(pair.target, ids, r["output"], ended, cfg["temp"], top_p, eos, category)
+        )
         print(f"checked {i + 1}/{len(result['records'])}: {r['prompt_id']} {r['method']}", flush=True)
     rows = []
     for (task, method), checks in groups.items():
@@ -189,22 +239,30 @@ def check_bench(bench_dir: str) -> dict:
         n = len(c)
         cat_sd = float(np.sqrt((c[:, 1] * (1 - c[:, 1])).sum()))
         lp_sd = float(np.sqrt(c[:, 4].sum()))
-        rows.append({
-            "task": task, "method": method, "positions": n,
-            "outside_intersection_observed": int(c[:, 0].sum()), "outside_intersection_expected": float(c[:, 1].sum()),
-            "outside_intersection_z": float((c[:, 0] - c[:, 1]).sum() / cat_sd) if cat_sd else 0.0,
-            "outside_intersection_bias": float((c[:, 0] - c[:, 1]).sum() / n),
-            "outside_intersection_bias_sd": cat_sd / n,
-            "logp_bias": float((c[:, 2] - c[:, 3]).sum() / n), "logp_bias_sd": lp_sd / n,
-            "logp_z": float((c[:, 2] - c[:, 3]).sum() / lp_sd) if lp_sd else 0.0,
-        })
+        rows.append(
+            {
+                "task": task,
+                "method": method,
+                "positions": n,
+                "outside_intersection_observed": int(c[:, 0].sum()),
+                "outside_intersection_expected": float(c[:, 1].sum()),
+                "outside_intersection_z": float((c[:, 0] - c[:, 1]).sum() / cat_sd) if cat_sd else 0.0,
+                "outside_intersection_bias": float((c[:, 0] - c[:, 1]).sum() / n),
+                "outside_intersection_bias_sd": cat_sd / n,
+                "logp_bias": float((c[:, 2] - c[:, 3]).sum() / n),
+                "logp_bias_sd": lp_sd / n,
+                "logp_z": float((c[:, 2] - c[:, 3]).sum() / lp_sd) if lp_sd else 0.0,
+            }
+        )
     out = {"bench": Path(bench_dir).name, "temp": cfg["temp"], "top_p": top_p, "rows": rows}
     atomic_write_text(Path(bench_dir) / "bias.json", json.dumps(out, indent=1))
     for row in rows:
-        print(f"{row['task']:6} {row['method']:22} n={row['positions']:4}  outside the intersection "
-              f"{row['outside_intersection_observed']} vs {row['outside_intersection_expected']:.1f} "
-              f"(z {row['outside_intersection_z']:+.2f})  log p per token {row['logp_bias']:+.3f} "
-              f"+- {row['logp_bias_sd']:.3f} (z {row['logp_z']:+.2f})")
+        print(
+            f"{row['task']:6} {row['method']:22} n={row['positions']:4}  outside the intersection "
+            f"{row['outside_intersection_observed']} vs {row['outside_intersection_expected']:.1f} "
+            f"(z {row['outside_intersection_z']:+.2f})  log p per token {row['logp_bias']:+.3f} "
+            f"+- {row['logp_bias_sd']:.3f} (z {row['logp_z']:+.2f})"
+        )
     return out
 
 

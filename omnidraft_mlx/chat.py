@@ -13,22 +13,22 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
-from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.decode.drafts import SOURCES, check_sources
-from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.decode.lookup import HistoryIndex
-from omnidraft_mlx.decode.scheduler import Scheduler
-from omnidraft_mlx.pair import Pair, context_length
 from omnidraft_mlx.decode.policy import DraftPolicy
 from omnidraft_mlx.decode.promptcache import CacheUse, PromptCache
+from omnidraft_mlx.decode.scheduler import Scheduler
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.pair import Pair, context_length
+from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.prompts import encode_prompt
 from omnidraft_mlx.settings import check_range
 from omnidraft_mlx.vocab.textstream import TextStream
-from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats
 
 ROLES = ("system", "user", "assistant")
 
@@ -95,7 +95,7 @@ class Conversation:
         atomic_write_text(Path(path).expanduser(), self.to_json() + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "Conversation":
+    def load(cls, path: str | Path) -> Conversation:
         """A saved conversation: {"messages": [...]} or a bare list of {role, content}."""
         path = Path(path).expanduser()
         try:
@@ -106,8 +106,7 @@ class Conversation:
             raise OmniDraftError(f"cannot read {path} as a JSON conversation: {e}") from None
         messages = data.get("messages") if isinstance(data, dict) else data
         if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-            for m in messages
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages
         ):
             raise OmniDraftError(
                 f"{path} is not a conversation: expected a list of "
@@ -135,8 +134,19 @@ def plain_step_seconds(model, prompt_ids: list[int], steps: int = 4) -> float:
 
 
 def add_stats(total: SpecStats, s: SpecStats) -> None:
-    for name in ("prompt_tokens", "prefill_s", "generate_s", "draft_s", "verify_s", "rounds",
-                 "proposed", "accepted", "emitted", "ngram_hits", "draft_forwards"):
+    for name in (
+        "prompt_tokens",
+        "prefill_s",
+        "generate_s",
+        "draft_s",
+        "verify_s",
+        "rounds",
+        "proposed",
+        "accepted",
+        "emitted",
+        "ngram_hits",
+        "draft_forwards",
+    ):
         setattr(total, name, getattr(total, name) + getattr(s, name))
 
 
@@ -172,9 +182,17 @@ def make_learner(pair: Pair, profile, interval: int):
 class ChatSession:
     """A conversation with a drafter/target pair; learns from every reply."""
 
-    def __init__(self, pair: Pair, cfg: ChatConfig, conversation: Conversation | None = None,
-                 learner=None, on_save=None, policy: DraftPolicy | None = None,
-                 prompt_cache: PromptCache | None = None, history: HistoryIndex | None = None):
+    def __init__(
+        self,
+        pair: Pair,
+        cfg: ChatConfig,
+        conversation: Conversation | None = None,
+        learner=None,
+        on_save=None,
+        policy: DraftPolicy | None = None,
+        prompt_cache: PromptCache | None = None,
+        history: HistoryIndex | None = None,
+    ):
         self.pair, self.cfg = pair, cfg
         self.history = history  # earlier replies, for lookup drafts; learns from every reply
         self.scheduler = Scheduler()  # which draft source pays, measured across replies
@@ -226,15 +244,30 @@ class ChatSession:
 
     def stream(self, reply: Reply) -> Iterator[tuple[str, bool]]:
         """Yield (text, drafted) per accepted target token, as verification commits them."""
-        cfg = SpecConfig(k=self.cfg.k, temp=self.cfg.temp, top_p=self.cfg.top_p,
-                         max_tokens=reply.max_tokens, seed=self.cfg.seed + self.replies,
-                         sources=self.cfg.sources, guard=self.cfg.guard, tree=self.cfg.tree)
+        cfg = SpecConfig(
+            k=self.cfg.k,
+            temp=self.cfg.temp,
+            top_p=self.cfg.top_p,
+            max_tokens=reply.max_tokens,
+            seed=self.cfg.seed + self.replies,
+            sources=self.cfg.sources,
+            guard=self.cfg.guard,
+            tree=self.cfg.tree,
+        )
         out = TextStream(self.pair.vmap.target_bytes)
         start = time.perf_counter()
         try:
-            for new, drafted in self.prompt_cache.generate(self.pair, reply.draft_ids, reply.target_ids, cfg,
-                                                           reply.stats, self.policy, reply.cached,
-                                                           history=self.history, scheduler=self.scheduler):
+            for new, drafted in self.prompt_cache.generate(
+                self.pair,
+                reply.draft_ids,
+                reply.target_ids,
+                cfg,
+                reply.stats,
+                self.policy,
+                reply.cached,
+                history=self.history,
+                scheduler=self.scheduler,
+            ):
                 if reply.ttft_s is None:
                     reply.ttft_s = time.perf_counter() - start
                 for t, d in zip(new, drafted):
@@ -258,15 +291,17 @@ class ChatSession:
         if self.on_save:
             self.on_save()
         if len(reply.ids) >= reply.max_tokens:
-            return "stopped: the context is full" if reply.max_tokens < self.cfg.max_tokens else (
-                f"stopped at --max-tokens {self.cfg.max_tokens}")
+            return (
+                "stopped: the context is full"
+                if reply.max_tokens < self.cfg.max_tokens
+                else (f"stopped at --max-tokens {self.cfg.max_tokens}")
+            )
         return None
 
     @property
     def update_due(self) -> bool:
         """Whether enough replies have gathered for a drafter update."""
-        return (self.learner is not None and self.cfg.adapt
-                and len(self.learner.buffer) >= self.learner.interval)
+        return self.learner is not None and self.cfg.adapt and len(self.learner.buffer) >= self.learner.interval
 
     def adapt(self):
         """Update the drafter on the gathered replies (between turns); the learner
@@ -279,8 +314,10 @@ class ChatSession:
             raise
         except Exception as e:  # a failed update must not end the conversation
             self.cfg.adapt = False
-            raise OmniDraftError(f"the drafter update failed ({type(e).__name__}: {e}); drafter learning "
-                                 "is paused (/adapt on tries again)") from e
+            raise OmniDraftError(
+                f"the drafter update failed ({type(e).__name__}: {e}); drafter learning "
+                "is paused (/adapt on tries again)"
+            ) from e
         finally:
             self.prompt_cache.drafter_changed()  # new drafter weights: its cached prefixes are stale
 

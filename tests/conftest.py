@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 from mlx_lm import load
+from tiny_models import build_tiny_models
 
 from omnidraft_mlx.pair import make_pair
-
-from tiny_models import build_tiny_models
 
 
 def _built_once(name: str, build) -> Path:

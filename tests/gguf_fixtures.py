@@ -5,9 +5,8 @@ llama.cpp's converter writes them (llama q/k rows permuted, Gemma norms +1),
 so a correct conversion gives `hf` back.
 """
 
-import numpy as np
-
 import gguf
+import numpy as np
 
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 64, 96, 4, 2, 16, 2
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

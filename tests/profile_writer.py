@@ -19,8 +19,8 @@ from mlx.utils import tree_map
 from mlx_lm import load
 
 import omnidraft_mlx.profile.store as profile_module
-from omnidraft_mlx.learn.distill import DistillConfig, setup_trainable
 from omnidraft_mlx.decode.policy import LearnedPolicy, PolicyConfig
+from omnidraft_mlx.learn.distill import DistillConfig, setup_trainable
 from omnidraft_mlx.profile.store import load_profile
 
 
@@ -56,8 +56,9 @@ def main(draft, target, path, tag, saves, go, held=None, release=None):
         model.update(tree_map(lambda a: mx.full(a.shape, float(tag)), model.trainable_parameters()))
         if held and i == saves - 1:
             hold_before_manifest(held, release)
-        profile.save(model, distill=DistillConfig(lora_rank=4).__dict__, corpus="c", position=i + 1,
-                     record={"writer": tag})
+        profile.save(
+            model, distill=DistillConfig(lora_rank=4).__dict__, corpus="c", position=i + 1, record={"writer": tag}
+        )
         print(i + 1, flush=True)
 
 

@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from omnidraft_mlx.learn.adapt import Budget, OnlineLearner, Sample, batch, evaluate, read_corpus, stream
-from omnidraft_mlx.vocab.align import align
-from omnidraft_mlx.learn.distill import DistillConfig, Distiller, _pad, distill_loss, make_example, setup_trainable
-from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.pair import make_pair
 from omnidraft_mlx.decode.policy import LearnedPolicy, PolicyConfig
+from omnidraft_mlx.decode.speculative import SpecConfig
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.learn.adapt import Budget, OnlineLearner, Sample, batch, evaluate, read_corpus, stream
+from omnidraft_mlx.learn.distill import DistillConfig, Distiller, _pad, distill_loss, make_example, setup_trainable
+from omnidraft_mlx.pair import make_pair
 from omnidraft_mlx.profile.store import Profile, load_profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.decode.speculative import SpecConfig
+from omnidraft_mlx.vocab.align import align
 from omnidraft_mlx.vocab.tokenmap import VocabMap
 
 # The target's tokenizer learned from json/textwrap/typing: it merges these words, the drafter's does not.
@@ -98,9 +98,15 @@ def numpy_loss(pair, examples, lam):
 
 def test_loss_matches_numpy(cross):
     replies = [SPLIT_TEXT, "import json\nclass Generic(Protocol):\n"]
-    examples = [make_example(cross, encode_prompt(cross.draft_tok, m), encode_prompt(cross.target_tok, m),
-                             list(cross.target_tok.encode(r, add_special_tokens=False)))
-                for m, r in zip((user_messages(TRAIN_PROMPTS[0]), user_messages("print(add_3(9))  # ")), replies)]
+    examples = [
+        make_example(
+            cross,
+            encode_prompt(cross.draft_tok, m),
+            encode_prompt(cross.target_tok, m),
+            list(cross.target_tok.encode(r, add_special_tokens=False)),
+        )
+        for m, r in zip((user_messages(TRAIN_PROMPTS[0]), user_messages("print(add_3(9))  # ")), replies)
+    ]
     assert all(len(e.direct_draft) and len(e.ngram_pos) for e in examples)
     assert len(examples[0].draft_ids) != len(examples[1].draft_ids)  # padding is exercised
     d = Distiller(cross, DistillConfig())
@@ -109,9 +115,15 @@ def test_loss_matches_numpy(cross):
     x = _pad([e.draft_ids for e in examples])
     w = x.shape[1]
     loss, kl, nll = distill_loss(
-        cross.draft, x, _flat([e.direct_draft for e in examples], w), target_logprobs(cross, examples, d.target_cols),
-        _flat([e.ngram_pos for e in examples], w), mx.array(np.concatenate([e.ngram_tok for e in examples])),
-        d.draft_cols, 0.2)
+        cross.draft,
+        x,
+        _flat([e.direct_draft for e in examples], w),
+        target_logprobs(cross, examples, d.target_cols),
+        _flat([e.ngram_pos for e in examples], w),
+        mx.array(np.concatenate([e.ngram_tok for e in examples])),
+        d.draft_cols,
+        0.2,
+    )
     ref = numpy_loss(cross, examples, 0.2)
     np.testing.assert_allclose([loss.item(), kl.item(), nll.item()], ref, rtol=2e-4, atol=1e-4)
     assert kl.item() > 0  # the two tiny models disagree: the reverse KL is not trivially zero
@@ -194,8 +206,12 @@ def make_trained_profile(tmp_path, tiny_dirs, tiny, updates=2):
     profile = Profile(tmp_path / "prof", str(tiny_dirs["draft"]), str(tiny_dirs["target"]), pair.ngrams)
     learner = OnlineLearner(pair, cfg, interval=4, profile=profile)
     learner.corpus = "c"
-    stream(learner, [Sample(messages=user_messages(p)) for p in TRAIN_PROMPTS[: 4 * updates]],
-           SpecConfig(max_tokens=16), Budget())
+    stream(
+        learner,
+        [Sample(messages=user_messages(p)) for p in TRAIN_PROMPTS[: 4 * updates]],
+        SpecConfig(max_tokens=16),
+        Budget(),
+    )
     return pair, profile
 
 
@@ -207,7 +223,7 @@ def test_task_corpus_text_mode_learns_the_reference_and_stream_answers_the_promp
     assert asked(sample.messages) == sample.messages[:1] and asked(sample.messages[:1]) == sample.messages[:1]
     (ex,) = text_examples(cross, sample, max_len=2048)
     reference = list(cross.target_tok.encode(sample.messages[1]["content"], add_special_tokens=False))
-    assert ex.target_ids[-len(reference):] == reference  # the reply is the reference, after the prompt
+    assert ex.target_ids[-len(reference) :] == reference  # the reply is the reference, after the prompt
     assert len(ex.target_ids) > len(reference) and ex.positions
 
 
@@ -233,8 +249,13 @@ def test_profile_roundtrip(tmp_path, tiny_dirs, tiny):
     np.testing.assert_allclose(np.array(fresh(x)), np.array(pair.draft(x)), atol=1e-4)
     assert not np.allclose(np.array(base), np.array(pair.draft(x)), atol=1e-3)
     # Resuming restores the optimizer state, step count included.
-    learner = OnlineLearner(pair, DistillConfig(lora_rank=4), profile=load_profile(
-        profile.draft, profile.target, load(str(tiny_dirs["draft"]))[0], trainable=True, path=profile.path))
+    learner = OnlineLearner(
+        pair,
+        DistillConfig(lora_rank=4),
+        profile=load_profile(
+            profile.draft, profile.target, load(str(tiny_dirs["draft"]))[0], trainable=True, path=profile.path
+        ),
+    )
     assert int(learner.distiller.opt.state["step"]) == 2
 
 
@@ -274,7 +295,7 @@ def test_kill_during_save_keeps_previous_profile(tmp_path, tiny_dirs):
     path = tmp_path / "prof"
     args = [sys.executable, "-c", KILL_CHILD, str(tiny_dirs["draft"]), str(tiny_dirs["target"]), str(path)]
     rng = np.random.default_rng(0)
-    for trial in range(4):
+    for _ in range(4):
         child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
         child.stdout.readline()  # at least one complete save in this process
         time.sleep(float(rng.uniform(0, 0.3)))
@@ -285,7 +306,8 @@ def test_kill_during_save_keeps_previous_profile(tmp_path, tiny_dirs):
         from omnidraft_mlx.learn.distill import trainable_weights
 
         values = {float(v.min()) for v in trainable_weights(model).values()} | {
-            float(v.max()) for v in trainable_weights(model).values()}
+            float(v.max()) for v in trainable_weights(model).values()
+        }
         assert values == {float(profile.updates)} and profile.position("c") == profile.updates
 
 
@@ -311,8 +333,12 @@ def test_failed_save_keeps_previous_profile(tmp_path, tiny_dirs, tiny):
     _, profile = make_trained_profile(tmp_path, tiny_dirs, tiny, updates=1)
     before = sorted(p.name for p in profile.path.iterdir())
     manifest = (profile.path / "manifest.json").read_bytes()
-    out = subprocess.run([sys.executable, "-c", DISK_FULL_CHILD, profile.draft, profile.target, str(profile.path)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", DISK_FULL_CHILD, profile.draft, profile.target, str(profile.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.stdout.startswith("could not save the profile") and "previous profile is intact" in out.stdout
     assert len(out.stdout.strip().splitlines()) == 1
     assert sorted(p.name for p in profile.path.iterdir()) == before  # no temporary file left behind
@@ -348,22 +374,37 @@ def test_bad_corpus(tmp_path):
 
 def omnidraft(*args, home):
     env = {**os.environ, "OMNIDRAFT_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "omnidraft_mlx.cli.main", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "omnidraft_mlx.cli.main", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_adapt_command_resumes_and_profile_commands(tmp_path, tiny_dirs):
     corpus = tmp_path / "prompts.jsonl"
     corpus.write_text("\n".join(json.dumps({"prompt": p}) for p in TRAIN_PROMPTS))
     pair_args = ["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"])]
-    common = ["adapt", str(corpus), *pair_args, "--interval", "2", "--max-tokens", "16", "--eval", "2",
-              "--eval-tokens", "8", "--rank", "4"]
+    common = [
+        "adapt",
+        str(corpus),
+        *pair_args,
+        "--interval",
+        "2",
+        "--max-tokens",
+        "16",
+        "--eval",
+        "2",
+        "--eval-tokens",
+        "8",
+        "--rank",
+        "4",
+    ]
     first = omnidraft(*common, "--mode", "stream", "--max-prompts", "4", home=tmp_path)
     assert first.returncode == 0, first.stderr
     assert "position 4/6" in first.stdout and "held-out acceptance" in first.stdout
     assert "evaluating on 2 held-out prompts (before)" in first.stderr  # a log file is told what the wait is
-    streamed = int(re.search(r"acceptance head: (\d+) labelled",
-                             omnidraft("profile", "show", *pair_args, home=tmp_path).stdout)[1])
+    streamed = int(
+        re.search(r"acceptance head: (\d+) labelled", omnidraft("profile", "show", *pair_args, home=tmp_path).stdout)[1]
+    )
     second = omnidraft(*common, "--rank", "8", home=tmp_path)  # resumes in batch mode, the default for prompts
     assert second.returncode == 0, second.stderr
     assert "position 6/6" in second.stdout and "update 3" in second.stdout
@@ -374,8 +415,17 @@ def test_adapt_command_resumes_and_profile_commands(tmp_path, tiny_dirs):
     assert (labels := re.search(r"acceptance head: (\d+) labelled", shown.stdout)) and int(labels[1]) > streamed
     # generate loads the profile (adapter applied) and keeps the output lossless.
     gen = omnidraft("generate", *pair_args, "--raw", "--max-tokens", "8", "-q", TRAIN_PROMPTS[0], home=tmp_path)
-    plain = omnidraft("generate", "--model", str(tiny_dirs["target"]), "--raw", "--max-tokens", "8", "-q",
-                      TRAIN_PROMPTS[0], home=tmp_path)
+    plain = omnidraft(
+        "generate",
+        "--model",
+        str(tiny_dirs["target"]),
+        "--raw",
+        "--max-tokens",
+        "8",
+        "-q",
+        TRAIN_PROMPTS[0],
+        home=tmp_path,
+    )
     assert gen.returncode == 0 and gen.stdout == plain.stdout
     archive = tmp_path / "p.tar.gz"
     assert omnidraft("profile", "export", str(archive), *pair_args, home=tmp_path).returncode == 0

@@ -6,12 +6,16 @@ early leaves the others unchanged."""
 import pytest
 
 from omnidraft_mlx.decode.batch import batchable
-from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.decode.scheduler import Scheduler
 from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats, decode_together, speculative_generate
+from omnidraft_mlx.prompts import encode_prompt, user_messages
 
-PROMPTS = ["def add_7(x):\n    return x + 7\n\nprint(add_7(21))  # two\n\ndef add_1", "print(add_3(9))  # four\n",
-           "x", "def add_"]
+PROMPTS = [
+    "def add_7(x):\n    return x + 7\n\nprint(add_7(21))  # two\n\ndef add_1",
+    "print(add_3(9))  # four\n",
+    "x",
+    "def add_",
+]
 
 
 def settings(temp: float, seed: int, k: int = 3, max_tokens: int = 40) -> SpecConfig:
@@ -33,8 +37,10 @@ def together(pair, texts, cfgs, leave_after: dict | None = None) -> list[list[in
     """Each prompt's reply, all decoded in shared target forwards; leave_after[i] = rounds after
     which reply i leaves the batch (a client that went away)."""
     scheduler = Scheduler()
-    decodings = [Decoding(pair, *prompts(pair, text), cfg, SpecStats(), scheduler=scheduler if not i else scheduler.fork())
-                 for i, (text, cfg) in enumerate(zip(texts, cfgs))]
+    decodings = [
+        Decoding(pair, *prompts(pair, text), cfg, SpecStats(), scheduler=scheduler if not i else scheduler.fork())
+        for i, (text, cfg) in enumerate(zip(texts, cfgs))
+    ]
     assert batchable([d.target for d in decodings])  # one forward for all, not one each
     batch, replies = list(decodings), {id(d): [] for d in decodings}
     for rounds, taken in enumerate(decode_together(batch), 1):

@@ -5,17 +5,17 @@ that the machinery measures the right things and that greedy outputs agree.
 """
 
 import json
-import re
 import os
+import re
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
-from omnidraft_mlx.tasks import ADAPT_SIZE, TASKS, load_task
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.vocab.ngram import NGramCache
 from omnidraft_mlx.profile.store import profile_dir
+from omnidraft_mlx.tasks import ADAPT_SIZE, TASKS, load_task
+from omnidraft_mlx.vocab.ngram import NGramCache
 
 
 @pytest.fixture
@@ -109,14 +109,44 @@ def test_bench_cross_vocab_end_to_end(tiny_dirs, home, tmp_path):
     before = (profile_dir(draft, target) / "ngrams.json").read_bytes()
 
     out = tmp_path / "out"
-    r = invoke("--draft", draft, "--target", target, "--task", ",".join(TASKS), "--k", "2,3",
-               "--translation", "text,tokens", "--tree", "on,off", "--prompts", "2", "--max-tokens", "12", "--out", str(out))
+    r = invoke(
+        "--draft",
+        draft,
+        "--target",
+        target,
+        "--task",
+        ",".join(TASKS),
+        "--k",
+        "2,3",
+        "--translation",
+        "text,tokens",
+        "--tree",
+        "on,off",
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "12",
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     for name in ("bench.json", "summary.md", "speedup.png", "k_sweep.png", "time_split.png"):
         assert (out / name).stat().st_size > 0
     result = json.loads((out / "bench.json").read_text())
-    check_records(result, ["plain", "ours-k2-tree", "ours-k2", "ours-k2-tokens-tree", "ours-k2-tokens", "ours-k3-tree",
-                           "ours-k3", "ours-k3-tokens-tree", "ours-k3-tokens"])
+    check_records(
+        result,
+        [
+            "plain",
+            "ours-k2-tree",
+            "ours-k2",
+            "ours-k2-tokens-tree",
+            "ours-k2-tokens",
+            "ours-k3-tree",
+            "ours-k3",
+            "ours-k3-tokens-tree",
+            "ours-k3-tokens",
+        ],
+    )
     assert len(result["config"]["prompt_ids"]) == 2 * len(TASKS)
     assert [load_task(t, "heldout")[0].id for t in TASKS] == result["config"]["prompt_ids"][: len(TASKS)]
     assert result["config"]["ngram_cache_at_start"] == 1
@@ -124,7 +154,10 @@ def test_bench_cross_vocab_end_to_end(tiny_dirs, home, tmp_path):
     assert (profile_dir(draft, target) / "ngrams.json").read_bytes() == before
     # One pair for the run: its n-gram cache only grows, prompt after prompt.
     ours = [r for r in result["records"] if r["kind"] == "ours"]
-    sizes = [r["ngram_cache_size"] for r in sorted(ours, key=lambda r: (result["config"]["prompt_ids"].index(r["prompt_id"]), r["order"]))]
+    sizes = [
+        r["ngram_cache_size"]
+        for r in sorted(ours, key=lambda r: (result["config"]["prompt_ids"].index(r["prompt_id"]), r["order"]))
+    ]
     assert sizes == sorted(sizes) and sizes[0] >= 1
     env = result["environment"]
     assert env["blas"] and env["mlx"] and env["mlx_lm"] and env["models"]["target"]["name"] == target
@@ -139,13 +172,41 @@ def test_bench_compares_sources_on_use_cases_and_user_prompts(tiny_dirs, home, t
     """drafter / lookup / fused families, guard on and off, the edit and multiturn tasks and
     a prompts file, all greedy-equal to plain; lookups find the code the edit prompts show."""
     prompts = tmp_path / "mine.jsonl"
-    prompts.write_text(json.dumps({"messages": [
-        {"role": "user", "content": "def add_3(x):"}, {"role": "assistant", "content": "    return x + 3"},
-        {"role": "user", "content": "Again, please."}]}) + "\n")
+    prompts.write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "def add_3(x):"},
+                    {"role": "assistant", "content": "    return x + 3"},
+                    {"role": "user", "content": "Again, please."},
+                ]
+            }
+        )
+        + "\n"
+    )
     out = tmp_path / "out"
-    r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--task", "edit,multiturn",
-               "--prompts-file", str(prompts), "--source", "drafter,lookup,fused", "--guard", "on,off", "--k", "3",
-               "--prompts", "2", "--max-tokens", "16", "--out", str(out))
+    r = invoke(
+        "--draft",
+        str(tiny_dirs["draft"]),
+        "--target",
+        str(tiny_dirs["target"]),
+        "--task",
+        "edit,multiturn",
+        "--prompts-file",
+        str(prompts),
+        "--source",
+        "drafter,lookup,fused",
+        "--guard",
+        "on,off",
+        "--k",
+        "3",
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "16",
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
     check_records(result, ["plain", "ours-k3", "lookup", "lookup-noguard", "fused-k3", "fused-k3-noguard"])
@@ -159,13 +220,39 @@ def test_bench_compares_sources_on_use_cases_and_user_prompts(tiny_dirs, home, t
 
 def test_bench_sampled_runs_compare_by_distribution(tiny_dirs, home, tmp_path):
     out = tmp_path / "out"
-    r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--task", "complete",
-               "--source", "drafter,fused", "--k", "3", "--temp", "0.7", "--seed", "3", "--prompts", "2",
-               "--sampling", "exact,omnidraft", "--max-tokens", "12", "--out", str(out))
+    r = invoke(
+        "--draft",
+        str(tiny_dirs["draft"]),
+        "--target",
+        str(tiny_dirs["target"]),
+        "--task",
+        "complete",
+        "--source",
+        "drafter,fused",
+        "--k",
+        "3",
+        "--temp",
+        "0.7",
+        "--seed",
+        "3",
+        "--prompts",
+        "2",
+        "--sampling",
+        "exact,omnidraft",
+        "--max-tokens",
+        "12",
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
-    assert {r["method"] for r in result["records"]} == {"plain", "ours-k3", "ours-k3-omnidraft",
-                                                        "fused-k3", "fused-k3-omnidraft"}
+    assert {r["method"] for r in result["records"]} == {
+        "plain",
+        "ours-k3",
+        "ours-k3-omnidraft",
+        "fused-k3",
+        "fused-k3-omnidraft",
+    }
     modes = {m["name"]: m["sampling"] for m in result["config"]["methods"]}
     assert modes["ours-k3"] == "exact" and modes["fused-k3-omnidraft"] == "omnidraft"
     assert all(r["equal_to_plain"] is None and r["mismatch"] is None for r in result["records"])
@@ -174,14 +261,41 @@ def test_bench_sampled_runs_compare_by_distribution(tiny_dirs, home, tmp_path):
 
 def test_bench_compares_draft_length_policies(tiny_dirs, home, tmp_path):
     out = tmp_path / "out"
-    r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--task", "complete",
-               "--k", "3", "--policy", "confidence,heuristic,learned,oracle", "--gamma", "0.2,auto,0.8", "--prompts", "2",
-               "--max-tokens", "24", "--out", str(out))
+    r = invoke(
+        "--draft",
+        str(tiny_dirs["draft"]),
+        "--target",
+        str(tiny_dirs["target"]),
+        "--task",
+        "complete",
+        "--k",
+        "3",
+        "--policy",
+        "confidence,heuristic,learned,oracle",
+        "--gamma",
+        "0.2,auto,0.8",
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "24",
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
-    check_records(result, ["plain", "ours-k3", "ours-confidence", "ours-heuristic",
-                           "ours-learned-g0.2", "ours-learned-gauto", "ours-learned-g0.8",
-                           "ours-oracle"])
+    check_records(
+        result,
+        [
+            "plain",
+            "ours-k3",
+            "ours-confidence",
+            "ours-heuristic",
+            "ours-learned-g0.2",
+            "ours-learned-gauto",
+            "ours-learned-g0.8",
+            "ours-oracle",
+        ],
+    )
     assert (out / "gamma.png").stat().st_size > 0
     drafted = {}
     for rec in result["records"]:
@@ -192,8 +306,22 @@ def test_bench_compares_draft_length_policies(tiny_dirs, home, tmp_path):
 
 def test_bench_same_vocab_runs_mlx_lm_beside_ours(tiny_dirs, home, tmp_path):
     out = tmp_path / "out"
-    r = invoke("--draft", str(tiny_dirs["same"]), "--target", str(tiny_dirs["target"]), "--task", "complete",
-               "--k", "2,3", "--translation", "text,tokens", "--quick", "--no-profile", "--out", str(out))
+    r = invoke(
+        "--draft",
+        str(tiny_dirs["same"]),
+        "--target",
+        str(tiny_dirs["target"]),
+        "--task",
+        "complete",
+        "--k",
+        "2,3",
+        "--translation",
+        "text,tokens",
+        "--quick",
+        "--no-profile",
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
     assert result["config"]["profile"] is None  # --no-profile
@@ -232,16 +360,19 @@ def test_speedup_is_the_median_of_per_prompt_ratios():
     assert record_speedup(ours, plain) == {"median": 1.6, "min": 1.2, "max": 2.0, "prompts": 2}
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--task", "poetry"], "unknown --task"),
-    (["--k", "0"], "at least 1"),
-    (["--k", "three"], "comma-separated integers"),
-    (["--policy", "learned", "--gamma", "half"], "--gamma takes a probability between 0 and 1 or 'auto'"),
-    (["--translation", "bytes"], "unknown --translation"),
-    (["--temp", "0.7", "--sampling", "fast"], "unknown --sampling 'fast'"),
-    (["--sampling", "omnidraft"], "--sampling compares sampled decoding: add --temp"),
-    (["--forward-cost", ","], "needs model names"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--task", "poetry"], "unknown --task"),
+        (["--k", "0"], "at least 1"),
+        (["--k", "three"], "comma-separated integers"),
+        (["--policy", "learned", "--gamma", "half"], "--gamma takes a probability between 0 and 1 or 'auto'"),
+        (["--translation", "bytes"], "unknown --translation"),
+        (["--temp", "0.7", "--sampling", "fast"], "unknown --sampling 'fast'"),
+        (["--sampling", "omnidraft"], "--sampling compares sampled decoding: add --temp"),
+        (["--forward-cost", ","], "needs model names"),
+    ],
+)
 def test_bad_input_is_one_clear_error(tiny_dirs, args, message):
     r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), *args)
     assert isinstance(r.exception, OmniDraftError) and message in str(r.exception)

@@ -5,12 +5,11 @@ import json
 
 import numpy as np
 import pytest
+from test_bench import check_records, home, invoke  # noqa: F401 (home: a fixture)
 
 from omnidraft_mlx.bench.agent import AGENT_STEPS, PASSED, CheckResult, Workspace, answered, problems, run_tests
 from omnidraft_mlx.bench.report import episode_of
 from omnidraft_mlx.tasks import humaneval
-
-from test_bench import check_records, home, invoke  # noqa: F401 (home: a fixture)
 
 LOOP = "def spin(x):\n    while True:\n        pass\n"
 
@@ -43,7 +42,12 @@ def test_a_reply_is_applied_and_tested(tiny):
     messages = answered(space, tokenizer, call, 1)
     assert messages[0]["tool_calls"][0]["function"]["arguments"]["content"] == reference(problem)
     assert space.code == reference(problem) and [m["role"] for m in messages] == [
-        "assistant", "tool", "assistant", "tool", "user"]
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "user",
+    ]
     assert messages[3]["content"] == PASSED and "The tests pass." in messages[4]["content"]
 
     space = Workspace(problem)
@@ -76,8 +80,24 @@ def test_served_steps_keep_the_prompt_cache_and_learn_history(cross):
 
 def test_bench_agent_end_to_end(tiny_dirs, home, tmp_path):
     out = tmp_path / "out"
-    r = invoke("--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--task", "agent",
-               "--source", "drafter,fused", "--k", "3", "--prompts", "2", "--max-tokens", "12", "--out", str(out))
+    r = invoke(
+        "--draft",
+        str(tiny_dirs["draft"]),
+        "--target",
+        str(tiny_dirs["target"]),
+        "--task",
+        "agent",
+        "--source",
+        "drafter,fused",
+        "--k",
+        "3",
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "12",
+        "--out",
+        str(out),
+    )
     assert r.exit_code == 0, r.output
     result = json.loads((out / "bench.json").read_text())
     check_records(result, ["plain", "ours-k3", "fused-k3"])

@@ -3,26 +3,57 @@
 import json
 import sys
 
-from omnidraft_mlx.bench import derived
-from omnidraft_mlx.models import derive as d
 from test_bench import home  # noqa: F401  (fixture: empty OMNIDRAFT_HOME that finds the task data)
 from test_derive import SMALL
+
+from omnidraft_mlx.bench import derived
+from omnidraft_mlx.models import derive as d
 
 
 def test_derived_bench_end_to_end(tiny_dirs, home, tmp_path, monkeypatch):  # noqa: F811
     draft, target = str(tiny_dirs["draft"]), str(tiny_dirs["target"])
     d.derive(d.DeriveConfig(source=draft, layers=1, name="tiny-1l", minutes=0, **SMALL), progress=False)
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", [
-        "derived", "--derived", "tiny-1l", "--full", draft, "--target", target, "--big-target", target,
-        "--depths", "1", "--k", "2,3", "--prompts", "1", "--max-tokens", "8", "--cost-rounds", "1",
-        "--adapted", "--out", str(out),  # no profiles yet: the adapted drafters decode as they are
-    ])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "derived",
+            "--derived",
+            "tiny-1l",
+            "--full",
+            draft,
+            "--target",
+            target,
+            "--big-target",
+            target,
+            "--depths",
+            "1",
+            "--k",
+            "2,3",
+            "--prompts",
+            "1",
+            "--max-tokens",
+            "8",
+            "--cost-rounds",
+            "1",
+            "--adapted",
+            "--out",
+            str(out),  # no profiles yet: the adapted drafters decode as they are
+        ],
+    )
     derived.main()
     assert (out / "derived.png").stat().st_size > 0
     result = json.loads((out / "derived.json").read_text())
-    assert list(result["summary"]) == ["plain", "full-k4", "derived-k2", "derived-k3", "full-adapted-k4",
-                                       "derived-adapted-k2", "derived-adapted-k3"]
+    assert list(result["summary"]) == [
+        "plain",
+        "full-k4",
+        "derived-k2",
+        "derived-k3",
+        "full-adapted-k4",
+        "derived-adapted-k2",
+        "derived-adapted-k3",
+    ]
     assert {"drafter cut to 1 layers", "tiny-1l", draft, target} == set(result["cost_ms"])
     assert result["derived_info"]["kept_layers"] in ([0], [1])
     records = result["records"]

@@ -12,8 +12,8 @@ import pexpect
 import pytest
 
 from omnidraft_mlx.chat import Conversation
-from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
+from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.prompts import encode_prompt
 
 PROMPT = "you> "
@@ -23,10 +23,19 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 def spawn(tiny_dirs, home, *args, preexec_fn=None) -> pexpect.spawn:
     env = dict(os.environ, OMNIDRAFT_HOME=str(home), TERM="xterm")
-    argv = ["-m", "omnidraft_mlx.cli.main", "chat", "--draft", str(tiny_dirs["draft"]),
-            "--target", str(tiny_dirs["target"]), *args]
-    child = pexpect.spawn(sys.executable, argv, env=env, encoding="utf-8", timeout=120, dimensions=(50, 200),
-                          preexec_fn=preexec_fn)
+    argv = [
+        "-m",
+        "omnidraft_mlx.cli.main",
+        "chat",
+        "--draft",
+        str(tiny_dirs["draft"]),
+        "--target",
+        str(tiny_dirs["target"]),
+        *args,
+    ]
+    child = pexpect.spawn(
+        sys.executable, argv, env=env, encoding="utf-8", timeout=120, dimensions=(50, 200), preexec_fn=preexec_fn
+    )
     child.expect("drafting for")
     child.expect(PROMPT)
     return child
@@ -105,7 +114,10 @@ def endless_target(tiny_dirs, tmp_path) -> dict:
     so a reply runs until it is interrupted (a tiny model may otherwise stop at once)."""
     target = tmp_path / "endless-target"
     shutil.copytree(tiny_dirs["target"], target)
-    for name, key, value in [("config.json", "eos_token_id", None), ("tokenizer_config.json", "eos_token", "<|endoftext|>")]:
+    for name, key, value in [
+        ("config.json", "eos_token_id", None),
+        ("tokenizer_config.json", "eos_token", "<|endoftext|>"),
+    ]:
         cfg = json.loads((target / name).read_text())
         tok = json.loads((target / "tokenizer.json").read_text())
         eos_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|endoftext|>")
@@ -118,8 +130,15 @@ def test_ctrl_c_stops_reply_and_ctrl_d_exits(tiny_dirs, tmp_path):
     # Fixed k: once the learned head decides, drafting runs far ahead and a tiny pair can fill the
     # context before the interrupt lands.
     # Started with SIGINT ignored, as a background job of a script (CI's, say) starts its children.
-    chat = spawn(endless_target(tiny_dirs, tmp_path), tmp_path / "home", "--max-tokens", "100000", "--policy", "fixed",
-                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    chat = spawn(
+        endless_target(tiny_dirs, tmp_path),
+        tmp_path / "home",
+        "--max-tokens",
+        "100000",
+        "--policy",
+        "fixed",
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     chat.sendline("def add_3(x):")
     chat.expect("return")  # streaming has begun
     chat.sendintr()
@@ -154,7 +173,9 @@ def test_multiline_input_and_trimming(tiny_dirs, tmp_path):
     messages = json.loads(saved.read_text())["messages"]
     assert messages[0] == {"role": "system", "content": "Be brief."}
     assert [m["content"] for m in messages if m["role"] == "user"] == [
-        "def add_1(x):\n    return x + 1", "print(add_1(3))\nprint(add_2(6))"]
+        "def add_1(x):\n    return x + 1",
+        "print(add_1(3))\nprint(add_2(6))",
+    ]
     # Each exchange takes ~30 of the 96 tokens: older ones must go, and the chat says so.
     shown = "".join(say(chat, f"def add_{i}(x):") for i in range(3, 7))
     assert "oldest messages are no longer sent to the models" in shown
@@ -202,8 +223,13 @@ def test_too_long_message_is_refused_not_fatal(tiny_dirs, tmp_path):
 def test_bad_options_one_line_error(tmp_path):
     env = dict(os.environ, OMNIDRAFT_HOME=str(tmp_path))
     for bad in (["--k", "0"], ["--policy", "longest"]):
-        out = subprocess.run([sys.executable, "-m", "omnidraft_mlx.cli.main", "chat", *bad],
-                             capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+        out = subprocess.run(
+            [sys.executable, "-m", "omnidraft_mlx.cli.main", "chat", *bad],
+            capture_output=True,
+            text=True,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
         assert out.returncode == 2
         assert out.stderr.strip().startswith("error:") and "Traceback" not in out.stderr
 
@@ -218,8 +244,11 @@ def test_load_rejects_what_is_not_a_conversation(tmp_path, content):
 
 def test_load_accepts_a_bare_message_list(tmp_path):
     path = tmp_path / "c.json"
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "hello"}]
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
     path.write_text(json.dumps(messages))
     conv = Conversation.load(path)
     assert conv.system == "S" and conv.all_messages() == messages

@@ -26,8 +26,9 @@ def home(tmp_path):
 def piped(home, *args) -> list[str]:
     """The command's stdout lines, read through a pipe by a reader 80 columns wide."""
     env = dict(os.environ, OMNIDRAFT_HOME=str(home), COLUMNS="80")
-    out = subprocess.run([sys.executable, "-m", "omnidraft_mlx.cli.main", *args], capture_output=True,
-                         text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "omnidraft_mlx.cli.main", *args], capture_output=True, text=True, env=env, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.splitlines()
 

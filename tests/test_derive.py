@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load
+from tiny_models import TEXT, corpus, train_tokenizer, write_model
 
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.models import derive as d
 from omnidraft_mlx.models.pull import local_state, resolve_model
-from tiny_models import TEXT, corpus, train_tokenizer, write_model
 
 SMALL = dict(seq_len=32, batch=4, select_seqs=2, eval_seqs=4, train_tokens=20_000, lr=1e-3, warmup=5, replies=0)
 
@@ -34,7 +34,9 @@ def _windows(tok, n_tokens=4000, length=33):
 
 
 def test_derived_model_keeps_the_chosen_layers_and_loads(deep, home):
-    cfg = d.DeriveConfig(source=str(deep), layers=3, name="tiny-3l", minutes=0, **{**SMALL, "replies": 2, "reply_tokens": 8})
+    cfg = d.DeriveConfig(
+        source=str(deep), layers=3, name="tiny-3l", minutes=0, **{**SMALL, "replies": 2, "reply_tokens": 8}
+    )
     out = d.derive(cfg, progress=False)
     info = json.loads((out / "omnidraft.json").read_text())
     assert info["transcripts"] == 2 * len(d.adapt_prompts()) > 0  # the source's chats on code, math, chat
@@ -47,7 +49,7 @@ def test_derived_model_keeps_the_chosen_layers_and_loads(deep, home):
     got = dict(tree_flatten(derived_model.parameters()))
     for key, value in got.items():
         if key.startswith("model.layers."):
-            j, rest = key[len("model.layers."):].split(".", 1)
+            j, rest = key[len("model.layers.") :].split(".", 1)
             key = f"model.layers.{keep[int(j)]}.{rest}"
         assert mx.array_equal(value, src[key]), key
     assert derived_tok.encode("def add(x):") == load(str(deep))[1].encode("def add(x):")
@@ -64,8 +66,14 @@ def test_transcripts_are_the_sources_chats_and_resume(deep, tmp_path):
     prompts = {"code": ["def add(a, b):", "class Stack:"], "chat": ["Say hello to the farmer."]}
     path = tmp_path / "chats.jsonl"
     chats = d.transcripts(model, tok, prompts, 3, 8, path, batch=4)
-    asked = ["def add(a, b):", "Say hello to the farmer.", "class Stack:", "Say hello to the farmer.",
-             "def add(a, b):", "Say hello to the farmer."]  # tasks take turns
+    asked = [
+        "def add(a, b):",
+        "Say hello to the farmer.",
+        "class Stack:",
+        "Say hello to the farmer.",
+        "def add(a, b):",
+        "Say hello to the farmer.",
+    ]  # tasks take turns
     assert len(chats) == 6
     for chat, prompt in zip(chats, asked):
         start = tok.decode(encode_prompt(tok, user_messages(prompt)))
@@ -144,11 +152,14 @@ def test_resume_continues_the_step_count(deep, tmp_path):
         d.distill(_student(deep, [0, 5]), teacher, train, cfg, ckpt, {"source": "x", "keep": [0, 5]})
 
 
-@pytest.mark.parametrize("source, layers, match", [
-    ("deep", 6, "between 1 and 5"),
-    ("deep", 0, "between 1 and 5"),
-    ("no-such-model", 2, "unknown model"),
-])
+@pytest.mark.parametrize(
+    "source, layers, match",
+    [
+        ("deep", 6, "between 1 and 5"),
+        ("deep", 0, "between 1 and 5"),
+        ("no-such-model", 2, "unknown model"),
+    ],
+)
 def test_bad_input_is_one_line(deep, home, source, layers, match):
     cfg = d.DeriveConfig(source=str(deep) if source == "deep" else source, layers=layers, minutes=0, **SMALL)
     with pytest.raises(OmniDraftError, match=match) as err:

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -51,17 +50,43 @@ def free_ports(n: int) -> int:
 
 
 def adapt_cmd(corpus, tiny_dirs, ranks: int, *extra) -> list[str]:
-    cmd = [sys.executable, "-m", "omnidraft_mlx.cli.main", "adapt", str(corpus), "--draft", str(tiny_dirs["draft"]),
-           "--target", str(tiny_dirs["target"]), "--batch", "3", "--steps", "2", "--max-tokens", "12", "--eval", "0",
-           "--rank", "4", "--lr", "1e-3", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "omnidraft_mlx.cli.main",
+        "adapt",
+        str(corpus),
+        "--draft",
+        str(tiny_dirs["draft"]),
+        "--target",
+        str(tiny_dirs["target"]),
+        "--batch",
+        "3",
+        "--steps",
+        "2",
+        "--max-tokens",
+        "12",
+        "--eval",
+        "0",
+        "--rank",
+        "4",
+        "--lr",
+        "1e-3",
+        *extra,
+    ]
     if ranks == 1:
         return cmd
     return [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)), "--", *cmd]
 
 
 def run_adapt(home, corpus, tiny_dirs, ranks, *extra):
-    out = subprocess.run(adapt_cmd(corpus, tiny_dirs, ranks, *extra), capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMNIDRAFT_HOME": str(home)})
+    out = subprocess.run(
+        adapt_cmd(corpus, tiny_dirs, ranks, *extra),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMNIDRAFT_HOME": str(home)},
+    )
     assert out.returncode == 0, out.stderr
     return out
 
@@ -78,9 +103,13 @@ def saved(home) -> dict:
     files = manifest["files"]
     with np.load(path / files["accept_head"]) as head:
         head = {k: head[k] for k in head.files if k.startswith("head.") or k in ("features", "labels")}
-    return {"manifest": manifest, "head": head, "ngrams": json.loads((path / files["ngrams"]).read_text()),
-            "history": json.loads((path / files["history"]).read_text()),
-            **{k: {n: np.array(v) for n, v in mx.load(str(path / files[k])).items()} for k in ("adapter", "optimizer")}}
+    return {
+        "manifest": manifest,
+        "head": head,
+        "ngrams": json.loads((path / files["ngrams"]).read_text()),
+        "history": json.loads((path / files["history"]).read_text()),
+        **{k: {n: np.array(v) for n, v in mx.load(str(path / files[k])).items()} for k in ("adapter", "optimizer")},
+    }
 
 
 @pytest.fixture
@@ -134,8 +163,13 @@ def rank_pids(launcher: int) -> dict[int, int]:
 
 def kill_rank_after_an_update(home, corpus, tiny_dirs, rank: int) -> None:
     """Two ranks; once an update is saved, kill -9 `rank`: the launcher stops the other one."""
-    launcher = subprocess.Popen(adapt_cmd(corpus, tiny_dirs, 2, "--interval", "4"), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, env={**os.environ, "OMNIDRAFT_HOME": str(home)})
+    launcher = subprocess.Popen(
+        adapt_cmd(corpus, tiny_dirs, 2, "--interval", "4"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMNIDRAFT_HOME": str(home)},
+    )
     try:
         for line in launcher.stderr:
             if "prompts/min" in line:
@@ -152,8 +186,9 @@ def kill_rank_after_an_update(home, corpus, tiny_dirs, rank: int) -> None:
 def check_profile(home, tiny_dirs) -> int:
     """The profile loads (adapter included) and is the state after its last update: returns its position."""
     path = profile_path(home)
-    profile = load_profile(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), load(str(tiny_dirs["draft"]))[0],
-                           trainable=True, path=path)
+    profile = load_profile(
+        str(tiny_dirs["draft"]), str(tiny_dirs["target"]), load(str(tiny_dirs["draft"]))[0], trainable=True, path=path
+    )
     history = profile.manifest["history"]
     position = profile.position(next(iter(profile.manifest["corpus"])))
     assert len(history) == profile.updates and history[-1]["position"] == position == 4 * profile.updates
@@ -178,9 +213,15 @@ def test_a_killed_rank_leaves_the_last_update_and_the_run_resumes(tmp_path, tiny
 def test_modes_other_than_batch_are_refused_on_several_ranks(tmp_path, tiny_dirs):
     doc = tmp_path / "doc.txt"
     doc.write_text("def add_1(x):\n    return x + 1\n")
-    out = subprocess.run(adapt_cmd(doc, tiny_dirs, 2), capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMNIDRAFT_HOME": str(tmp_path)})
+    out = subprocess.run(
+        adapt_cmd(doc, tiny_dirs, 2),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMNIDRAFT_HOME": str(tmp_path)},
+    )
     # Each rank says it in one line (the one that exits first makes mlx.launch stop the other).
     assert "error: under mlx.launch adapt runs in batch mode (a JSONL corpus or --task), not text" in " ".join(
-        out.stderr.split()), out.stderr
+        out.stderr.split()
+    ), out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "profiles").exists()

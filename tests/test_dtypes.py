@@ -8,18 +8,17 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm import load
+from test_models_convert import home, tiny_spec  # noqa: F401 (fixtures)
+from tiny_models import TEXT, corpus, train_tokenizer, write_model
 
-from omnidraft_mlx.learn.distill import DistillConfig, Distiller, fuse_lora, make_example, setup_trainable
-from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.learn.distill import DistillConfig, Distiller, fuse_lora, make_example, setup_trainable
 from omnidraft_mlx.models.convert import convert_dir
 from omnidraft_mlx.pair import make_pair
 from omnidraft_mlx.profile.store import Profile, load_profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
-
-from test_models_convert import home, tiny_spec  # noqa: F401 (fixtures)
-from tiny_models import TEXT, corpus, train_tokenizer, write_model
 
 PROMPTS = ["def add_7(x):\n    return x + 7\n\nprint(add_7(21))  # two\n\ndef add_1", "print(add_3(9))  # four\n"]
 DTYPES = ["float32", "float16", "bfloat16", "q4", "q8"]
@@ -30,8 +29,9 @@ def dirs(tmp_path_factory, tiny_dirs):
     """Model dirs per (role, dtype): the tiny target and a 64-wide tiny drafter
     (4-bit groups of 32 need widths divisible by 32), converted by convert_dir."""
     root = tmp_path_factory.mktemp("dtypes")
-    draft = write_model(root / "draft", train_tokenizer(corpus("draft"), 420), 64, 2, seed=7,
-                        train_text=TEXT, train_steps=200)
+    draft = write_model(
+        root / "draft", train_tokenizer(corpus("draft"), 420), 64, 2, seed=7, train_text=TEXT, train_steps=200
+    )
     out = {}
     for role, src in (("draft", draft), ("target", tiny_dirs["target"])):
         out[role, "float32"] = src
@@ -81,8 +81,11 @@ def test_bfloat16_and_q8_decode_losslessly(dirs):
     check_format(tm, "bfloat16")
     pair = make_pair(dm, dt, tm, tt)
     tp = tt.encode(PROMPTS[0])
-    out = [t for new, _ in speculative_generate(pair, dt.encode(PROMPTS[0]), tp, SpecConfig(k=3, max_tokens=32),
-                                                SpecStats()) for t in new]
+    out = [
+        t
+        for new, _ in speculative_generate(pair, dt.encode(PROMPTS[0]), tp, SpecConfig(k=3, max_tokens=32), SpecStats())
+        for t in new
+    ]
     assert out == list(plain_generate(tm, tt, tp, PlainStats(), max_tokens=32))
 
 
@@ -124,8 +127,9 @@ def test_quantized_drafter_trains_only_through_lora(dirs):
 
 def test_exact_sampling_in_float16(dirs, tiny):
     """tests/test_sampling.py's chi-square, both models in float16."""
-    from omnidraft_mlx.bench.sampling_bias import exact_sequence_probs, fit, sample_sequences
     from test_sampling import CASES, LENGTH, SAMPLES, TEMP, TOP_P
+
+    from omnidraft_mlx.bench.sampling_bias import exact_sequence_probs, fit, sample_sequences
 
     prompt, sources = CASES["drafter"]
 
@@ -173,7 +177,9 @@ def test_pull_names_each_dtype_apart(tiny_spec, home):
 def test_real_4bit_qwen_target_is_lossless():
     """Qwen2.5-Coder-0.5B quantized to 4 bits (from the pulled float model, cached
     under the model home as qwen2.5-coder-0.5b-q4), SmolLM2 drafting."""
-    from test_lossless_real import PROMPTS as REAL_PROMPTS, check_pair, model as real_model
+    from test_lossless_real import PROMPTS as REAL_PROMPTS
+    from test_lossless_real import check_pair
+    from test_lossless_real import model as real_model
 
     from omnidraft_mlx.models.pull import local_state
 

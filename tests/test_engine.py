@@ -4,12 +4,12 @@ vocabulary mapping, n-gram cache, bad input."""
 import numpy as np
 import pytest
 
-from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
-from omnidraft_mlx.vocab.ngram import NGramCache
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import make_pair
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.vocab.ngram import NGramCache
 from omnidraft_mlx.vocab.translate import complete_utf8, translate_tokens
 
 PROMPTS = [

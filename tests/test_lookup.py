@@ -7,19 +7,18 @@ import json
 import numpy as np
 import pytest
 from mlx_lm import load
+from tiny_models import build_random_pair
 
-from omnidraft_mlx.vocab.align import common_prefix
 from omnidraft_mlx.decode.drafter import DrafterSource
 from omnidraft_mlx.decode.drafts import Context, Draft, DraftSource
-from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.decode.lookup import ContextLookup, HistoryIndex, escaped_views, match_class
-from omnidraft_mlx.pair import make_pair
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.decode.policy import FixedPolicy, PolicyConfig
-from omnidraft_mlx.prompts import encode_prompt, user_messages
 from omnidraft_mlx.decode.scheduler import Scheduler
 from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
-
-from tiny_models import build_random_pair
+from omnidraft_mlx.pair import make_pair
+from omnidraft_mlx.prompts import encode_prompt, user_messages
+from omnidraft_mlx.vocab.align import common_prefix
 
 # The reply repeats what the prompt shows: lookups have something to find.
 REPEAT = "def add_7(x):\n    return x + 7\n\ndef add_8(x):\n    return x + 8\n\ndef add_7(x):\n"
@@ -76,13 +75,25 @@ def decode(pair, prompt, history=None, scheduler=None, **cfg):
     msgs = user_messages(prompt)
     dp, tp = encode_prompt(pair.draft_tok, msgs, True), encode_prompt(pair.target_tok, msgs, True)
     stats = SpecStats()
-    out = [t for new, _ in speculative_generate(pair, dp, tp, SpecConfig(**{"max_tokens": 40, **cfg}), stats,
-                                                history=history, scheduler=scheduler) for t in new]
+    out = [
+        t
+        for new, _ in speculative_generate(
+            pair, dp, tp, SpecConfig(**{"max_tokens": 40, **cfg}), stats, history=history, scheduler=scheduler
+        )
+        for t in new
+    ]
     return out, stats
 
 
-@pytest.mark.parametrize("sources,guard", [("context", False), ("context,history", True),
-                                           ("drafter,context,history", False), ("drafter,context,history", True)])
+@pytest.mark.parametrize(
+    "sources,guard",
+    [
+        ("context", False),
+        ("context,history", True),
+        ("drafter,context,history", False),
+        ("drafter,context,history", True),
+    ],
+)
 def test_greedy_with_lookups_equals_target_greedy(cross, tiny, sources, guard):
     tm, tt = tiny["target"]
     history = HistoryIndex()
@@ -112,7 +123,10 @@ def test_the_drafter_reads_a_guess_ahead_and_drafts_what_it_would_alone(cross, t
     cfg = SpecConfig(k=6, temp=temp, sources="drafter", guard=False)
 
     def draft(guess):
-        source, ctx = DrafterSource(pair, dp, cfg, FixedPolicy(PolicyConfig(k=6))), Context(tp, rng=np.random.default_rng(1))
+        source, ctx = (
+            DrafterSource(pair, dp, cfg, FixedPolicy(PolicyConfig(k=6))),
+            Context(tp, rng=np.random.default_rng(1)),
+        )
         source.start(ctx)
         d = source.propose(ctx, 6, guess)
         return d.tokens, d.forwards
@@ -197,8 +211,12 @@ def test_a_drafter_that_caught_up_is_rated_in_step(guard):
     for _ in range(200):
         draft = scheduler.propose(ctx, 8)
         drafter.in_step &= draft.source == "drafter"
-        tokens, seconds = {"context": (2, 1.0), "plain": (1, 1.0)}.get(draft.source, (4, 10.0 if draft.catch_up else 0.5))
-        scheduler.settle(draft, tokens - 1, dict(tokens=tokens, round_s=seconds, verify_s=seconds), len(draft.tokens), 0)
+        tokens, seconds = {"context": (2, 1.0), "plain": (1, 1.0)}.get(
+            draft.source, (4, 10.0 if draft.catch_up else 0.5)
+        )
+        scheduler.settle(
+            draft, tokens - 1, dict(tokens=tokens, round_s=seconds, verify_s=seconds), len(draft.tokens), 0
+        )
         chosen.append(draft.source)
     assert chosen[-100:].count("drafter") >= 90  # the others: plain probes of one round
 
@@ -226,12 +244,14 @@ def test_a_drafter_that_pays_on_average_keeps_its_rounds():
     scheduler, ctx = Scheduler(), Context([0])
     drafter = Uneven(np.random.default_rng(0))
     chosen = []
-    for reply in range(40):  # one scheduler across replies, as chat and bench keep one
+    for _reply in range(40):  # one scheduler across replies, as chat and bench keep one
         scheduler.begin_reply([drafter], True, ctx)
         for _ in range(40):
             draft = scheduler.propose(ctx, 8)
             tokens, seconds = (drafter.tokens(), 1.7) if draft.source == "drafter" else (1, 1.0)
-            scheduler.settle(draft, tokens - 1, dict(tokens=tokens, round_s=seconds, verify_s=seconds), len(draft.tokens), 0)
+            scheduler.settle(
+                draft, tokens - 1, dict(tokens=tokens, round_s=seconds, verify_s=seconds), len(draft.tokens), 0
+            )
             chosen.append(draft.source)
         scheduler.end_reply(ctx)
     late = chosen[len(chosen) // 2 :]

@@ -8,10 +8,10 @@ import mlx.core as mx
 import pytest
 
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 from omnidraft_mlx.loading import load_model
 from omnidraft_mlx.pair import make_pair
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 
 pytestmark = pytest.mark.real
 
@@ -60,14 +60,17 @@ def check_pair(draft_name, target_name, prompts, max_tokens, k, sources="drafter
     return accepted / proposed, pair
 
 
-EDIT = ("Here is a Python function:\n```python\ndef mean(xs):\n    total = 0\n    for x in xs:\n"
-        "        total += x\n    return total / len(xs)\n```\nAdd type hints and show the whole updated code.")
+EDIT = (
+    "Here is a Python function:\n```python\ndef mean(xs):\n    total = 0\n    for x in xs:\n"
+    "        total += x\n    return total / len(xs)\n```\nAdd type hints and show the whole updated code."
+)
 
 
 def test_default_sources_and_guard_on_the_default_pair():
     """The product's default: drafter, context and history lookups, the guard."""
-    acceptance, _ = check_pair("smollm2-135m", "qwen2.5-coder-0.5b", [EDIT, PROMPTS[2]], 48, k=4,
-                               sources="drafter,context,history", guard=True)
+    acceptance, _ = check_pair(
+        "smollm2-135m", "qwen2.5-coder-0.5b", [EDIT, PROMPTS[2]], 48, k=4, sources="drafter,context,history", guard=True
+    )
     assert 0 < acceptance < 1  # drafts were kept and rejected: both paths of verification ran
 
 

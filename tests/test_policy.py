@@ -3,17 +3,17 @@ lossless, and each one actually changes how far the drafter goes."""
 
 import numpy as np
 import pytest
+from tiny_models import TEXT
 
+from omnidraft_mlx.decode.drafter import drafted_and_kept
+from omnidraft_mlx.decode.head import replay_depths, replay_recent
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
+from omnidraft_mlx.decode.policy import PolicyConfig, make_policy
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 from omnidraft_mlx.learn.adapt import head_labels
 from omnidraft_mlx.learn.distill import make_example
 from omnidraft_mlx.pair import make_pair
-from omnidraft_mlx.decode.head import replay_depths, replay_recent
-from omnidraft_mlx.decode.policy import PolicyConfig, make_policy
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.decode.drafter import drafted_and_kept
-from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
-from tiny_models import TEXT
 
 PROMPTS = [TEXT[i : i + 60] for i in range(0, 1800, 150)]
 
@@ -72,8 +72,9 @@ def test_gamma_auto_follows_measured_costs():
     varied = make_policy(PolicyConfig(name="learned"))
     for i in range(20):
         n = 1 + i % 5
-        varied.time_round(draft_s=0.01 * n, forwards=n, verify_s=0.2 + 0.02 * n, drafted=n, round_s=0.23 + 0.03 * n,
-                          tokens=n)
+        varied.time_round(
+            draft_s=0.01 * n, forwards=n, verify_s=0.2 + 0.02 * n, drafted=n, round_s=0.23 + 0.03 * n, tokens=n
+        )
     w = 0.9 ** np.arange(20)[::-1]  # the decaying weights of the rounds
     ns = 1 + np.arange(20) % 5
     tokens_per_s = (w * ns).sum() / (w * (0.23 + 0.03 * ns)).sum()
@@ -166,8 +167,9 @@ def test_oracle_drafts_exactly_as_far_as_the_reply_agrees(cross, tiny):
         oracle.start(reply, cross.vmap)
         out = []
         cfg = SpecConfig(k=3, max_tokens=40, sources="drafter", guard=False)
-        for new, _ in speculative_generate(cross, encode_prompt(cross.draft_tok, msgs, True),
-                                           encode_prompt(tt, msgs, True), cfg, SpecStats(), oracle):
+        for new, _ in speculative_generate(
+            cross, encode_prompt(cross.draft_tok, msgs, True), encode_prompt(tt, msgs, True), cfg, SpecStats(), oracle
+        ):
             out += new
             oracle.advance(new)
         assert out == reply
@@ -209,9 +211,18 @@ def test_head_labels_replay_what_decoding_gives_the_head(tiny):
         msgs = user_messages(prompt)
         dp, tp = encode_prompt(dt, msgs, True), encode_prompt(tt, msgs, True)
         before = len(live.head.labels)
-        reply = [t for new, _ in speculative_generate(pair, dp, tp, SpecConfig(k=4, max_tokens=40, sources="drafter", guard=False, tree=False),
-                                                        SpecStats(), live)
-                 for t in new]
+        reply = [
+            t
+            for new, _ in speculative_generate(
+                pair,
+                dp,
+                tp,
+                SpecConfig(k=4, max_tokens=40, sources="drafter", guard=False, tree=False),
+                SpecStats(),
+                live,
+            )
+            for t in new
+        ]
         features, kept = head_labels(pair, make_example(pair, dp, tp, reply), replayed)
         n = min(len(kept), len(live.head.labels) - before) - 4  # the last round may be cut short by max_tokens
         assert kept[:n].tolist() == [bool(x) for x in live.head.labels[before : before + n]]

@@ -13,20 +13,33 @@ from pathlib import Path
 import numpy as np
 from mlx_lm import load
 
-from omnidraft_mlx.learn.distill import DistillConfig, setup_trainable, trainable_weights
-from omnidraft_mlx.vocab.ngram import NGramCache
 from omnidraft_mlx.decode.head import LearnedHead
 from omnidraft_mlx.decode.policy import LearnedPolicy, PolicyConfig
+from omnidraft_mlx.learn.distill import DistillConfig, setup_trainable, trainable_weights
 from omnidraft_mlx.profile.store import LOCK, MANIFEST, Profile, load_head, load_profile, profile_files
+from omnidraft_mlx.vocab.ngram import NGramCache
 
 WRITER = Path(__file__).with_name("profile_writer.py")
 
 
 def writer(tiny_dirs, path, tag, saves, go, *held):
     """A writer process (tests/profile_writer.py), returned once it has loaded the profile."""
-    proc = subprocess.Popen([sys.executable, str(WRITER), str(tiny_dirs["draft"]), str(tiny_dirs["target"]),
-                             str(path), str(tag), str(saves), str(go), *map(str, held)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(WRITER),
+            str(tiny_dirs["draft"]),
+            str(tiny_dirs["target"]),
+            str(path),
+            str(tag),
+            str(saves),
+            str(go),
+            *map(str, held),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline() == "loaded\n", proc.communicate()[1]
     return proc
 
@@ -42,7 +55,8 @@ def check_loads(tiny_dirs, path):
     model, _ = load(str(tiny_dirs["draft"]))
     profile = load_profile(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), model, trainable=True, path=path)
     values = {float(v.min()) for v in trainable_weights(model).values()} | {
-        float(v.max()) for v in trainable_weights(model).values()}
+        float(v.max()) for v in trainable_weights(model).values()
+    }
     assert len(values) == 1 and values <= {1.0, 2.0, 3.0}
     assert sorted(p.name for p in path.iterdir()) == sorted(profile_files(path) + [LOCK])
     policy = LearnedPolicy(PolicyConfig(name="learned"))
@@ -179,8 +193,11 @@ def test_ctrl_c_during_a_save_lets_it_finish(tmp_path, tiny_dirs):
     setup_trainable(model, DistillConfig(lora_rank=4))
     profile = Profile(path, draft, target)
     profile.ngrams.add((1, 2), 3)
-    assert interrupted(Profile._save_locked, "atomic_write_text(self.path / MANIFEST",
-                       lambda: profile.save(model, distill=DistillConfig(lora_rank=4).__dict__))
+    assert interrupted(
+        Profile._save_locked,
+        "atomic_write_text(self.path / MANIFEST",
+        lambda: profile.save(model, distill=DistillConfig(lora_rank=4).__dict__),
+    )
     loaded = load_profile(draft, target, load(draft)[0], path=path)
     assert loaded.updates == 1 and (1, 2) in loaded.ngrams.entries
     assert sorted(p.name for p in path.iterdir()) == sorted(profile_files(path) + [LOCK])

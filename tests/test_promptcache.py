@@ -5,8 +5,8 @@ import os
 from omnidraft_mlx.chat import ChatConfig, ChatSession
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.decode.promptcache import CacheUse, PromptCache
-from omnidraft_mlx.prompts import encode_prompt
 from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.prompts import encode_prompt
 
 CFG = SpecConfig(k=3, max_tokens=24)
 TURNS = ["def add_3(x):", "print(add_", "def add_7(x):\n    return", "print(add_7(21))  # three"]
@@ -27,8 +27,9 @@ def fresh_reply(pair, messages) -> list[int]:
 
 
 def greedy(pair, messages) -> list[int]:
-    return list(plain_generate(pair.target, pair.target_tok, encode(pair, messages)[1], PlainStats(),
-                               max_tokens=CFG.max_tokens))
+    return list(
+        plain_generate(pair.target, pair.target_tok, encode(pair, messages)[1], PlainStats(), max_tokens=CFG.max_tokens)
+    )
 
 
 def test_multi_turn_reuse_equals_fresh_prefill(cross):

@@ -6,16 +6,14 @@ next-best tokens as point-mass branches), decoded beside another request in
 shared target forwards (batch.py), and from context lookup (a point mass).
 The same test must catch a deliberately biased variant, or it proves nothing."""
 
+import numpy as np
 import pytest
+from test_widths import padding_scheduler
 
 import omnidraft_mlx.decode.speculative as spec
-import numpy as np
-
 from omnidraft_mlx.bench.sampling_bias import exact_sequence_probs, fit, position_checks, sample_sequences
 from omnidraft_mlx.pair import make_pair, vocab_size
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-
-from test_widths import padding_scheduler
 
 LENGTH, TEMP, TOP_P, SAMPLES = 3, 1.0, 0.95, 1500
 CASES = {
@@ -43,9 +41,20 @@ def setup(request, tiny):
     beside = "print(add_" if request.param == "batched" else None
 
     def sample():
-        return sample_sequences(pair, prompt, "exact", SAMPLES, LENGTH, TEMP, TOP_P, k=1 if padded else 3,
-                                sources=sources, scheduler=padding_scheduler if padded else None, tree=tree,
-                                beside=beside)
+        return sample_sequences(
+            pair,
+            prompt,
+            "exact",
+            SAMPLES,
+            LENGTH,
+            TEMP,
+            TOP_P,
+            k=1 if padded else 3,
+            sources=sources,
+            scheduler=padding_scheduler if padded else None,
+            tree=tree,
+            beside=beside,
+        )
 
     return sample, exact_sequence_probs(tm, tp, eos, LENGTH, TEMP, TOP_P), request.param
 

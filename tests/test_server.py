@@ -10,7 +10,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from omnidraft_mlx.bench.load_test import ServerProcess, main as load_test
+from omnidraft_mlx.bench.load_test import ServerProcess
+from omnidraft_mlx.bench.load_test import main as load_test
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.prompts import encode_prompt
 
@@ -18,7 +19,9 @@ KEY = "test-key"
 
 
 def start(tiny_dirs, home, log, *args) -> ServerProcess:
-    return ServerProcess(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), log, *args, env={"OMNIDRAFT_HOME": str(home)})
+    return ServerProcess(
+        str(tiny_dirs["draft"]), str(tiny_dirs["target"]), log, *args, env={"OMNIDRAFT_HOME": str(home)}
+    )
 
 
 def idle(server, timeout: float = 120) -> dict:
@@ -75,8 +78,9 @@ def test_openai_client_gets_the_targets_greedy_reply(client, model, tiny, tiny_d
     assert spec["proposed"] >= spec["accepted"] >= 0 and spec["target_forwards"] >= 1
     assert spec["tokens_per_target_forward"] == pytest.approx(24 / spec["target_forwards"], abs=1e-3)
 
-    stream = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=24, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_completion_tokens=24, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -123,8 +127,10 @@ def error_of(response, status):
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client):
     url, auth = server.url + "/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
     ok = {"messages": [{"role": "user", "content": "def add_3(x):"}], "max_tokens": 4}
-    post = lambda body, **kw: httpx.post(url, headers=kw.get("headers", auth), timeout=60,  # noqa: E731
-                                         **({"content": body} if isinstance(body, str) else {"json": body}))
+
+    def post(body, **kw):
+        body_arg = {"content": body} if isinstance(body, str) else {"json": body}
+        return httpx.post(url, headers=kw.get("headers", auth), timeout=60, **body_arg)
 
     assert "not valid JSON" in error_of(post('{"messages": [{"role": "user"'), 400)["message"]
     assert error_of(post({**ok, "temperature": 5}), 400)["param"] == "temperature"
@@ -152,8 +158,9 @@ def ask_together(client, model, prompts: list[str], max_tokens: int, started=lam
 
     def ask(prompt):
         try:
-            stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                    max_tokens=max_tokens, stream=True)
+            stream = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stream=True
+            )
             got[prompt] = "".join(c.choices[0].delta.content or "" for c in stream)
         except Exception as e:  # reported below, with the others
             errors.append(e)
@@ -168,15 +175,17 @@ def ask_together(client, model, prompts: list[str], max_tokens: int, started=lam
     return got
 
 
-def test_concurrent_clients_are_decoded_together_and_a_disconnect_leaves_the_others_unchanged(server, client, model,
-                                                                                               tiny):
+def test_concurrent_clients_are_decoded_together_and_a_disconnect_leaves_the_others_unchanged(
+    server, client, model, tiny
+):
     before = idle(server)
     prompts = ["def add_3(x):", "print(add_", "def add_7(x):", "print(add_7(21))"]
     expected = {p: chat_greedy(tiny, [{"role": "user", "content": p}], 20)[1] for p in prompts}
     # One client starts a long reply and goes away after its first tokens, while the others are decoded.
     long = {"messages": [{"role": "user", "content": "def add_1(x):"}], "max_tokens": 1900, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=long, timeout=300,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=long, timeout=300, headers={"Authorization": f"Bearer {KEY}"}
+    ) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
 
@@ -229,14 +238,16 @@ def test_kill_9_while_serving_and_saving_leaves_a_profile_that_loads(tiny_dirs, 
         srv = start(tiny_dirs, home, tmp_path / f"server-{attempt}.log", "--adapt-every", "1", "--max-tokens", "24")
         stop = threading.Event()
 
-        def traffic():
+        def traffic(srv=srv, stop=stop):
             with OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
                 for i in range(1000):
                     if stop.is_set():
                         return
                     try:
-                        c.chat.completions.create(model=str(tiny_dirs["target"]),
-                                                  messages=[{"role": "user", "content": prompts[i % 3].format(i)}])
+                        c.chat.completions.create(
+                            model=str(tiny_dirs["target"]),
+                            messages=[{"role": "user", "content": prompts[i % 3].format(i)}],
+                        )
                     except Exception:  # the kill lands mid-request
                         return
                     time.sleep(rng.uniform(0.0, 0.6))  # idle moments: saves and updates happen then
@@ -266,8 +277,24 @@ def test_kill_9_while_serving_and_saving_leaves_a_profile_that_loads(tiny_dirs, 
 
 
 def test_the_load_test_runs_on_the_tiny_pair(tiny_dirs, tmp_path):
-    load_test(["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--clients", "3",
-               "--requests", "2", "--max-tokens", "16", "--repeat-examples", "15", "--out", str(tmp_path)])
+    load_test(
+        [
+            "--draft",
+            str(tiny_dirs["draft"]),
+            "--target",
+            str(tiny_dirs["target"]),
+            "--clients",
+            "3",
+            "--requests",
+            "2",
+            "--max-tokens",
+            "16",
+            "--repeat-examples",
+            "15",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     result = json.loads((tmp_path / "load_test.json").read_text())
     assert [run["batch"] for run in result["runs"]] == [8, 1]  # together, then one at a time
     for run in result["runs"]:
@@ -298,7 +325,9 @@ def test_serve_learning_while_another_process_saves_the_profile_loses_nothing(ti
             go.touch()
             for i in range(6):
                 prompt = ["print(add_", "def add_3(x):"][i % 2]
-                c.chat.completions.create(model=str(tiny_dirs["target"]), messages=[{"role": "user", "content": prompt}])
+                c.chat.completions.create(
+                    model=str(tiny_dirs["target"]), messages=[{"role": "user", "content": prompt}]
+                )
                 time.sleep(0.6)  # idle: the server updates the drafter and saves
         finish(other)
     finally:
@@ -306,8 +335,9 @@ def test_serve_learning_while_another_process_saves_the_profile_loses_nothing(ti
 
     from mlx_lm import load
 
-    profile = load_profile(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), load(str(tiny_dirs["draft"]))[0],
-                           trainable=True)
+    profile = load_profile(
+        str(tiny_dirs["draft"]), str(tiny_dirs["target"]), load(str(tiny_dirs["draft"]))[0], trainable=True
+    )
     history = profile.manifest["history"]
     theirs = [r for r in history if r.get("writer") == 7]
     assert len(theirs) == saves and len(history) > saves  # the server's updates are there too

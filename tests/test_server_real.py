@@ -13,10 +13,9 @@ import json
 
 import pytest
 from openai import AsyncOpenAI, OpenAI
+from test_server_tools import WEATHER
 
 from omnidraft_mlx.bench.load_test import ServerProcess
-
-from test_server_tools import WEATHER
 
 pytestmark = pytest.mark.real
 DRAFT, TARGET = "smollm2-135m", "qwen2.5-coder-0.5b"
@@ -33,38 +32,63 @@ def server(tmp_path_factory):
 
 def test_openai_tool_call_round_trip(server):
     client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
-    auto = client.chat.completions.create(model=TARGET, messages=[QUESTION], tools=[WEATHER], temperature=0,
-                                          max_tokens=32)  # tool_choice "auto": the model's bare JSON is the call
+    auto = client.chat.completions.create(
+        model=TARGET, messages=[QUESTION], tools=[WEATHER], temperature=0, max_tokens=32
+    )  # tool_choice "auto": the model's bare JSON is the call
     (call,) = auto.choices[0].message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
     assert auto.choices[0].finish_reason == "tool_calls" and auto.choices[0].message.content is None
-    chunks = list(client.chat.completions.create(model=TARGET, messages=[QUESTION], tools=[WEATHER],
-                                                 tool_choice="auto", temperature=0, max_tokens=32, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=TARGET,
+            messages=[QUESTION],
+            tools=[WEATHER],
+            tool_choice="auto",
+            temperature=0,
+            max_tokens=32,
+            stream=True,
+        )
+    )
     deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
     assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("get_weather", {"city": "Paris"})]
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
-    reply = client.chat.completions.create(model=TARGET, messages=[QUESTION], tools=[WEATHER], tool_choice="required",
-                                           temperature=0, max_tokens=32)
+    reply = client.chat.completions.create(
+        model=TARGET, messages=[QUESTION], tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=32
+    )
     choice = reply.choices[0]
     (call,) = choice.message.tool_calls
-    assert (call.type, call.function.name, json.loads(call.function.arguments)) == ("function", "get_weather",
-                                                                                    {"city": "Paris"})
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
+        "function",
+        "get_weather",
+        {"city": "Paris"},
+    )
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
 
     named = {"type": "function", "function": {"name": "get_weather"}}
-    chunks = list(client.chat.completions.create(model=TARGET, messages=[QUESTION], tools=[WEATHER], tool_choice=named,
-                                                 temperature=0, max_tokens=32, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=TARGET,
+            messages=[QUESTION],
+            tools=[WEATHER],
+            tool_choice=named,
+            temperature=0,
+            max_tokens=32,
+            stream=True,
+        )
+    )
     deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
     assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
-        (0, "get_weather", {"city": "Paris"})]
+        (0, "get_weather", {"city": "Paris"})
+    ]
     assert deltas[0].id.startswith("call_") and chunks[-1].choices[0].finish_reason == "tool_calls"
 
     said = {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}
     result = {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 18, "sky": "cloudy"})}
-    answer = client.chat.completions.create(model=TARGET, messages=[QUESTION, said, result], tools=[WEATHER],
-                                            temperature=0, max_tokens=32)
+    answer = client.chat.completions.create(
+        model=TARGET, messages=[QUESTION, said, result], tools=[WEATHER], temperature=0, max_tokens=32
+    )
     assert answer.choices[0].message.content and answer.usage.prompt_tokens > reply.usage.prompt_tokens
 
 
@@ -82,11 +106,18 @@ def weather_agent(server, target: str, **kw):
         asked.append(city)
         return f"{city}: 18 degrees Celsius, cloudy"
 
-    model = OpenAIChatCompletionsModel(model=target, openai_client=AsyncOpenAI(base_url=server.url + "/v1",
-                                                                               api_key="none", max_retries=0))
+    model = OpenAIChatCompletionsModel(
+        model=target, openai_client=AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    )
     settings = ModelSettings(temperature=0, max_tokens=48)
-    return Agent(name="weather", instructions="Use the get_weather tool, then answer the question in one sentence.",
-                 tools=[get_weather], model=model, model_settings=settings, **kw), asked
+    return Agent(
+        name="weather",
+        instructions="Use the get_weather tool, then answer the question in one sentence.",
+        tools=[get_weather],
+        model=model,
+        model_settings=settings,
+        **kw,
+    ), asked
 
 
 def test_an_openai_agents_agent_uses_a_tool_through_the_server(server):
@@ -113,13 +144,17 @@ def test_an_agent_on_qwen_1_5b_answers_from_the_tools_result(tmp_path):
     own answer, all in auto mode (Qwen2.5-Coder-1.5B, which writes an answer after a result)."""
     from agents import Runner
 
-    srv = ServerProcess(DRAFT, "qwen2.5-coder-1.5b", tmp_path / "server.log", "--no-profile", "--no-adapt",
-                        "--max-tokens", "48")
+    srv = ServerProcess(
+        DRAFT, "qwen2.5-coder-1.5b", tmp_path / "server.log", "--no-profile", "--no-adapt", "--max-tokens", "48"
+    )
     try:
         agent, asked = weather_agent(srv, "qwen2.5-coder-1.5b")
         done = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
     finally:
         assert srv.stop() == 0, srv.log.read_text()
     assert asked == ["Paris"] and [type(item).__name__ for item in done.new_items] == [
-        "ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+        "ToolCallItem",
+        "ToolCallOutputItem",
+        "MessageOutputItem",
+    ]
     assert "18 degrees" in done.final_output and "Paris" in done.final_output

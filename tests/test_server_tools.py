@@ -10,18 +10,28 @@ import mlx.core as mx
 import pytest
 from mlx_lm.tool_parsers import json_tools
 from openai import OpenAI
+from test_server import KEY, error_of, start
 
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.serve.text import ToolSplit, splitter
 from omnidraft_mlx.serve.tools import ToolFormat, ToolPlan
 
-from test_server import KEY, error_of, start
-
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone",
-                                         "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a time zone",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
+    },
+}
 QWEN = ToolFormat(json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call, [WEATHER])
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -42,8 +52,12 @@ def split(text: str, pieces: list[int], opened: str | None = None, tools=None) -
 
 
 def calls_of(events) -> list[tuple[str, dict]]:
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for kind, p in events
-            if kind == "tool_calls" for c in p]
+    return [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for kind, p in events
+        if kind == "tool_calls"
+        for c in p
+    ]
 
 
 def test_a_tool_call_is_split_from_the_text_wherever_the_pieces_break():
@@ -70,10 +84,12 @@ def test_two_calls_and_a_call_the_reply_ended_inside():
 
 
 def test_malformed_tool_calls_come_back_as_text():
-    for bad in ['<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>',  # not JSON
-                '<tool_call>\n["get_weather"]\n</tool_call>',  # JSON, not a call
-                '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
-                '<tool_call>\n{"name": "get_weather", "arguments": {"ci']:  # cut short (max_tokens)
+    for bad in [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>',  # not JSON
+        '<tool_call>\n["get_weather"]\n</tool_call>',  # JSON, not a call
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
+        '<tool_call>\n{"name": "get_weather", "arguments": {"ci',
+    ]:  # cut short (max_tokens)
         assert split("ok " + bad, [4, 12]) == [("text", "ok " + bad)]
     assert split("a <tool_ca", [3]) == [("text", "a <tool_ca")]  # held back, then let go at the end
 
@@ -104,29 +120,49 @@ def test_a_reply_of_only_json_calls_is_tool_calls_wherever_the_pieces_break():
 
 
 def test_other_replies_to_auto_stay_text_wherever_the_pieces_break():
-    for text in ['```json\n{\n  "name": "add_numbers",\n  "arguments": {\n    "a": 5\n  }\n}\n```',  # not offered
-                 'Call it so: {"name": "get_weather", "arguments": {"city": "Paris"}}',  # prose around the call
-                 '{"name": "get_weather", "arguments": {"city": "Paris"}}\nThat gets the weather.',
-                 '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\nThat gets it.',
-                 '{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"name": "get_weather", '
-                 '"arguments": {"city": "Paris"}}',  # two calls, not in a list (the 0.5B after a tool's result)
-                 '{"name": "get_weather", "description": "w", "parameters": {"type": "object"}}',  # a definition
-                 '{"name": "get_weather", "arguments": "Paris"}', '{"name": "get_weather"}', '[]', '{}',
-                 '{"name": "get_weather", "arguments": {"city": "Paris"}',  # cut short
-                 '{"name": get_weather}', '[1, 2]', '```python\ndef f(): pass\n```', 'The weather is fine.', '']:
+    for text in [
+        '```json\n{\n  "name": "add_numbers",\n  "arguments": {\n    "a": 5\n  }\n}\n```',  # not offered
+        'Call it so: {"name": "get_weather", "arguments": {"city": "Paris"}}',  # prose around the call
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\nThat gets the weather.',
+        '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\nThat gets it.',
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"name": "get_weather", '
+        '"arguments": {"city": "Paris"}}',  # two calls, not in a list (the 0.5B after a tool's result)
+        '{"name": "get_weather", "description": "w", "parameters": {"type": "object"}}',  # a definition
+        '{"name": "get_weather", "arguments": "Paris"}',
+        '{"name": "get_weather"}',
+        "[]",
+        "{}",
+        '{"name": "get_weather", "arguments": {"city": "Paris"}',  # cut short
+        '{"name": get_weather}',
+        "[1, 2]",
+        "```python\ndef f(): pass\n```",
+        "The weather is fine.",
+        "",
+    ]:
         for cuts in [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]:
             assert split(text, cuts, tools=auto()) == ([("text", text)] if text else []), (text, cuts)
 
 
 def test_a_reply_that_cannot_be_json_calls_streams_as_soon_as_it_shows():
-    for start, held in [("It is", False), ("\n{", True), ("```", True), ("```JSON\n  {", True), ("```py", False),
-                        ("[{", True), ("[1", False), ('{"a', True), ("{'a'", False),
-                        ('{"name": "f", "arguments": {}}', False), ('{"name": "get_time", "arguments": {}}\n', True),
-                        ('{"name": "get_time", "arguments": {}} x', False)]:
-        assert auto().add(start) == ([] if held else [("text", start)]), start
+    for opening, held in [
+        ("It is", False),
+        ("\n{", True),
+        ("```", True),
+        ("```JSON\n  {", True),
+        ("```py", False),
+        ("[{", True),
+        ("[1", False),
+        ('{"a', True),
+        ("{'a'", False),
+        ('{"name": "f", "arguments": {}}', False),
+        ('{"name": "get_time", "arguments": {}}\n', True),
+        ('{"name": "get_time", "arguments": {}} x', False),
+    ]:
+        assert auto().add(opening) == ([] if held else [("text", opening)]), opening
     tools = auto()
     assert tools.add('{"name": "get_weather", "arguments": {') == [] and tools.add("}} ok") == [
-        ("text", '{"name": "get_weather", "arguments": {}} ok')]
+        ("text", '{"name": "get_weather", "arguments": {}} ok')
+    ]
     assert tools.add(" more") == [("text", " more")] and tools.finish() == []
 
 
@@ -152,30 +188,54 @@ def template_greedy(tiny, messages, tools, max_tokens):
 
 
 def test_a_conversation_with_a_tool_call_and_its_result_is_served(client, tiny, tiny_dirs):
-    messages = [{"role": "user", "content": "def weather(city):"},
-                {"role": "assistant", "content": None,
-                 "tool_calls": [{"id": "call_1", "type": "function",
-                                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "print(add_3(18))"}]
-    rendered = [messages[0], {**messages[1], "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-        messages[2]]
+    messages = [
+        {"role": "user", "content": "def weather(city):"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "print(add_3(18))"},
+    ]
+    rendered = [
+        messages[0],
+        {
+            **messages[1],
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        messages[2],
+    ]
     ids, text = template_greedy(tiny, rendered, [WEATHER], 12)
     target = str(tiny_dirs["target"])
 
     reply = client.chat.completions.create(model=target, messages=messages, tools=[WEATHER], max_tokens=12)
     assert reply.choices[0].message.content == text and reply.usage.prompt_tokens == len(ids)
     assert reply.choices[0].message.tool_calls is None  # this model has no tool-call format: all text
-    streamed = client.chat.completions.create(model=target, messages=messages, tools=[WEATHER], max_tokens=12,
-                                              tool_choice="auto", stream=True)
+    streamed = client.chat.completions.create(
+        model=target, messages=messages, tools=[WEATHER], max_tokens=12, tool_choice="auto", stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
 
 
 def test_logprobs_are_the_targets_own(client, tiny, tiny_dirs):
     model, tok = tiny["target"]
     messages = [{"role": "user", "content": "def add_3(x):"}]
-    reply = client.chat.completions.create(model=str(tiny_dirs["target"]), messages=messages, max_tokens=10,
-                                           logprobs=True, top_logprobs=3)
+    reply = client.chat.completions.create(
+        model=str(tiny_dirs["target"]), messages=messages, max_tokens=10, logprobs=True, top_logprobs=3
+    )
     content = reply.choices[0].logprobs.content
     assert len(content) == reply.usage.completion_tokens == 10
     assert b"".join(bytes(e.bytes) for e in content).decode() == reply.choices[0].message.content
@@ -183,15 +243,16 @@ def test_logprobs_are_the_targets_own(client, tiny, tiny_dirs):
     prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True))
     ids = list(plain_generate(model, tok, prompt, PlainStats(), max_tokens=10))  # the same greedy reply
     assert tok.decode(ids) == reply.choices[0].message.content
-    logits = model(mx.array(prompt + ids)[None])[0, len(prompt) - 1: -1].astype(mx.float32)
+    logits = model(mx.array(prompt + ids)[None])[0, len(prompt) - 1 : -1].astype(mx.float32)
     expected = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()
     for e, t, row in zip(content, ids, expected):
         assert e.logprob == pytest.approx(row[t], abs=2e-3)
         assert e.top_logprobs[0].token == e.token  # greedy: the likeliest
         assert [a.logprob for a in e.top_logprobs] == pytest.approx(sorted(row, reverse=True)[:3], abs=2e-3)
 
-    streamed = client.chat.completions.create(model=str(tiny_dirs["target"]), messages=messages, max_tokens=10,
-                                              logprobs=True, stream=True)
+    streamed = client.chat.completions.create(
+        model=str(tiny_dirs["target"]), messages=messages, max_tokens=10, logprobs=True, stream=True
+    )
     entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.token for e in entries] == [e.token for e in content] and all(not e.top_logprobs for e in entries)
     plain = client.chat.completions.create(model=str(tiny_dirs["target"]), messages=messages, max_tokens=4)
@@ -199,10 +260,11 @@ def test_logprobs_are_the_targets_own(client, tiny, tiny_dirs):
 
 
 def test_what_the_server_cannot_honour_gets_a_400_and_it_keeps_serving(server, client, tiny_dirs):
-    url, auth = server.url + "/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    auth = {"Authorization": f"Bearer {KEY}"}
     ok = {"messages": [{"role": "user", "content": "def add_3(x):"}], "max_tokens": 4}
-    post = lambda body, path="/v1/chat/completions": httpx.post(server.url + path, headers=auth, json=body,  # noqa: E731
-                                                                timeout=60)
+
+    def post(body, path="/v1/chat/completions"):
+        return httpx.post(server.url + path, headers=auth, json=body, timeout=60)
 
     for kind in ("json_object", "json_schema"):
         err = error_of(post({**ok, "response_format": {"type": kind}}), 400)
@@ -214,8 +276,10 @@ def test_what_the_server_cannot_honour_gets_a_400_and_it_keeps_serving(server, c
     assert "no function 'get_time'" in error_of(post({**ok, "tools": [WEATHER], "tool_choice": named}), 400)["message"]
     assert error_of(post({**ok, "tool_choice": "required"}), 400)["param"] == "tool_choice"
     assert error_of(post({**ok, "tools": [{"type": "function", "function": {}}]}), 400)["param"].startswith("tools.0")
-    bad_call = {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-                                                     "function": {"name": "f", "arguments": "{not json"}}]}
+    bad_call = {
+        "role": "assistant",
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}],
+    }
     err = error_of(post({**ok, "messages": ok["messages"] + [bad_call]}), 400)
     assert err["param"] == "messages.1.tool_calls.0.function.arguments"
     assert error_of(post({**ok, "top_logprobs": 2}), 400)["param"] == "top_logprobs"

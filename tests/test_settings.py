@@ -6,17 +6,16 @@ import subprocess
 import sys
 
 import pytest
+from tiny_models import build_random_pair
 
 from omnidraft_mlx.bench.run import BenchConfig
 from omnidraft_mlx.chat import ChatConfig
-from omnidraft_mlx.learn.distill import DistillConfig
-from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.decode.policy import PolicyConfig
+from omnidraft_mlx.decode.speculative import SpecConfig
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.learn.distill import DistillConfig
 from omnidraft_mlx.serve.server import ServeConfig
 from omnidraft_mlx.settings import check_choice, check_range
-from omnidraft_mlx.decode.speculative import SpecConfig
-
-from tiny_models import build_random_pair
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +25,9 @@ def pair_dirs(tmp_path_factory):
 
 def omnidraft(home, *args):
     env = dict(os.environ, OMNIDRAFT_HOME=str(home))
-    return subprocess.run([sys.executable, "-m", "omnidraft_mlx.cli.main", *args], capture_output=True,
-                          text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "omnidraft_mlx.cli.main", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def one_line_error(out) -> str:
@@ -38,21 +38,25 @@ def one_line_error(out) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--temp", "-1"], ("--temp must be at least 0 (got -1.0)",)),
-    (["--top-p", "7"], ("--top-p must be above 0 and at most 1 (got 7.0)",)),
-    (["--top-p", "0"], ("--top-p must be above 0 and at most 1 (got 0.0)",)),
-    (["--k", "0"], ("--k must be at least 1 (got 0)",)),
-    (["--max-tokens", "0"], ("--max-tokens must be at least 1 (got 0)",)),
-    (["--translation", "bytes"], ("unknown --translation 'bytes': use text or tokens",)),
-    (["--sampling", "greedy"], ("unknown --sampling 'greedy': use exact or omnidraft",)),
-    (["--gamma", "1.5"], ("--gamma must be at least 0.0 and at most 1.0 (got 1.5)",)),
-    (["--k", "9"], ("--max-k must be at least 9 (got 8)",)),
-])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--temp", "-1"], ("--temp must be at least 0 (got -1.0)",)),
+        (["--top-p", "7"], ("--top-p must be above 0 and at most 1 (got 7.0)",)),
+        (["--top-p", "0"], ("--top-p must be above 0 and at most 1 (got 0.0)",)),
+        (["--k", "0"], ("--k must be at least 1 (got 0)",)),
+        (["--max-tokens", "0"], ("--max-tokens must be at least 1 (got 0)",)),
+        (["--translation", "bytes"], ("unknown --translation 'bytes': use text or tokens",)),
+        (["--sampling", "greedy"], ("unknown --sampling 'greedy': use exact or omnidraft",)),
+        (["--gamma", "1.5"], ("--gamma must be at least 0.0 and at most 1.0 (got 1.5)",)),
+        (["--k", "9"], ("--max-k must be at least 9 (got 8)",)),
+    ],
+)
 def test_generate_rejects_bad_settings(pair_dirs, tmp_path, flags, says):
     draft, target = pair_dirs
-    line = one_line_error(omnidraft(tmp_path, "generate", "--draft", str(draft), "--target", str(target),
-                                    *flags, "def f(x):"))
+    line = one_line_error(
+        omnidraft(tmp_path, "generate", "--draft", str(draft), "--target", str(target), *flags, "def f(x):")
+    )
     assert all(part in line for part in says), line
 
 
@@ -80,27 +84,30 @@ def test_chat_and_bench_reject_bad_settings(pair_dirs, tmp_path):
     assert "unknown --task 'poetry': use one of complete, write, math, chat" in one_line_error(bench)
 
 
-@pytest.mark.parametrize("make, says", [
-    (lambda: SpecConfig(temp=-0.5), "--temp"),
-    (lambda: SpecConfig(top_p=1.5), "--top-p"),
-    (lambda: SpecConfig(k=0), "--k"),
-    (lambda: SpecConfig(max_tokens=0), "--max-tokens"),
-    (lambda: ChatConfig(temp=-1.0), "--temp"),
-    (lambda: ChatConfig(adapt_every=0), "--adapt-every"),
-    (lambda: ChatConfig(sources="drafter,lookup"), "--source"),
-    (lambda: ServeConfig("d", "t", sources=()), "--source"),
-    (lambda: PolicyConfig(name="greedy"), "--policy"),
-    (lambda: PolicyConfig(name="learned", k=4, max_k=2), "--max-k"),
-    (lambda: PolicyConfig(gamma=-0.1), "--gamma"),
-    (lambda: PolicyConfig(p_min=1.0), "p_min"),
-    (lambda: DistillConfig(lr=0.0), "--lr"),
-    (lambda: DistillConfig(lora_rank=-1), "--rank"),
-    (lambda: DistillConfig(layers=0), "--layers"),
-    (lambda: DistillConfig(batch=0), "--batch"),
-    (lambda: BenchConfig("d", "t", ["complete"], translations=["bytes"]), "--translation"),
-    (lambda: BenchConfig("d", "t", ["complete"], policies=["psychic"]), "--policy"),
-    (lambda: BenchConfig("d", "t", ["complete"], time_limit_s=-60.0), "--time-limit"),
-])
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda: SpecConfig(temp=-0.5), "--temp"),
+        (lambda: SpecConfig(top_p=1.5), "--top-p"),
+        (lambda: SpecConfig(k=0), "--k"),
+        (lambda: SpecConfig(max_tokens=0), "--max-tokens"),
+        (lambda: ChatConfig(temp=-1.0), "--temp"),
+        (lambda: ChatConfig(adapt_every=0), "--adapt-every"),
+        (lambda: ChatConfig(sources="drafter,lookup"), "--source"),
+        (lambda: ServeConfig("d", "t", sources=()), "--source"),
+        (lambda: PolicyConfig(name="greedy"), "--policy"),
+        (lambda: PolicyConfig(name="learned", k=4, max_k=2), "--max-k"),
+        (lambda: PolicyConfig(gamma=-0.1), "--gamma"),
+        (lambda: PolicyConfig(p_min=1.0), "p_min"),
+        (lambda: DistillConfig(lr=0.0), "--lr"),
+        (lambda: DistillConfig(lora_rank=-1), "--rank"),
+        (lambda: DistillConfig(layers=0), "--layers"),
+        (lambda: DistillConfig(batch=0), "--batch"),
+        (lambda: BenchConfig("d", "t", ["complete"], translations=["bytes"]), "--translation"),
+        (lambda: BenchConfig("d", "t", ["complete"], policies=["psychic"]), "--policy"),
+        (lambda: BenchConfig("d", "t", ["complete"], time_limit_s=-60.0), "--time-limit"),
+    ],
+)
 def test_settings_check_themselves(make, says):
     with pytest.raises(OmniDraftError, match=says) as e:
         make()
@@ -113,8 +120,14 @@ def test_good_settings_pass():
     PolicyConfig(name="fixed", k=12)  # a fixed length needs no cap
     PolicyConfig(name="learned", gamma=None)
     DistillConfig(lora_rank=0, layers=-1)
-    BenchConfig("d", "t", ["complete", "math", "chat"], translations=["text", "tokens"], policies=["oracle"],
-                gammas=[None, 0.0, 1.0])
+    BenchConfig(
+        "d",
+        "t",
+        ["complete", "math", "chat"],
+        translations=["text", "tokens"],
+        policies=["oracle"],
+        gammas=[None, 0.0, 1.0],
+    )
 
 
 def test_range_and_choice_messages():

@@ -16,14 +16,25 @@ from omnidraft_mlx.decode.kvcache import KVSlot, make_cache, prefill
 from omnidraft_mlx.decode.tree import PositionsRoPE, TokenTree, keep_path, tree_forward
 
 VOCAB, WINDOW = 97, 8
-BASE = dict(hidden_size=128, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
-            num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0,
-            max_position_embeddings=512, tie_word_embeddings=False)
+BASE = dict(
+    hidden_size=128,
+    num_hidden_layers=3,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=VOCAB,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 FAMILIES = {
     "qwen2": (qwen2, {}),
     "llama": (llama, {}),
-    "gemma3_text": (gemma3_text, dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
-                                      sliding_window_pattern=3)),
+    "gemma3_text": (
+        gemma3_text,
+        dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW, sliding_window_pattern=3),
+    ),
 }
 PREFIX = np.random.default_rng(0).integers(0, VOCAB, 21).tolist()  # longer than the window
 # Main chain 5 -> 6 -> 7 -> 8, branches off the root, off node 0 and off a branch.

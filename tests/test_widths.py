@@ -4,14 +4,14 @@ output stays the target's own (sampling with padding: test_sampling.py)."""
 
 import json
 
+from test_lookup import REPEAT, decode
+
 from omnidraft_mlx.decode.fit import VerifyCost
-from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.decode.kvcache import KVSlot
-from omnidraft_mlx.prompts import encode_prompt, user_messages
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.decode.scheduler import Scheduler
 from omnidraft_mlx.decode.widths import costs_path, verify_costs
-
-from test_lookup import REPEAT, decode
+from omnidraft_mlx.prompts import encode_prompt, user_messages
 
 
 def test_cheapest_length_is_a_longer_one_measured_no_slower():
@@ -41,7 +41,7 @@ def test_costs_measured_once_per_model_shape_and_kept(tiny, tmp_path, monkeypatc
     assert json.loads(costs_path().read_text()) == saved
     verify_costs(dm, KVSlot.fresh(dm))  # another shape: its own entry
     assert len(json.loads(costs_path().read_text())) == 2
-    out = list(plain_generate(tm, tt, ids[len(slot.tokens):], PlainStats(), max_tokens=12, prompt_cache=slot.cache))
+    out = list(plain_generate(tm, tt, ids[len(slot.tokens) :], PlainStats(), max_tokens=12, prompt_cache=slot.cache))
     assert out == list(plain_generate(tm, tt, ids, PlainStats(), max_tokens=12))
 
 
@@ -57,7 +57,9 @@ def padding_scheduler() -> Scheduler:
 def test_padded_drafts_decode_the_target_greedy_output(cross, tiny):
     tm, tt = tiny["target"]
     for prompt in [REPEAT, "print(add_3(9))  # four\n"]:
-        plain = list(plain_generate(tm, tt, encode_prompt(tt, user_messages(prompt), True), PlainStats(), max_tokens=40))
+        plain = list(
+            plain_generate(tm, tt, encode_prompt(tt, user_messages(prompt), True), PlainStats(), max_tokens=40)
+        )
         for sources in ["drafter,context", "context"]:
             out, stats = decode(cross, prompt, scheduler=padding_scheduler(), sources=sources, guard=True, k=2)
             assert out == plain

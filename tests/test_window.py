@@ -9,16 +9,20 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import (
-    ArraysCache, KVCache, RotatingKVCache, create_attention_mask, make_prompt_cache, trim_prompt_cache,
+    ArraysCache,
+    KVCache,
+    RotatingKVCache,
+    create_attention_mask,
+    make_prompt_cache,
+    trim_prompt_cache,
 )
-
-from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.decode.plain import PlainStats, plain_generate
-from omnidraft_mlx.decode.kvcache import WindowedKVCache, make_cache, prefill, trim_cache
-from omnidraft_mlx.pair import make_pair
-from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
-
 from tiny_models import TEXT, build_windowed_models
+
+from omnidraft_mlx.decode.kvcache import WindowedKVCache, make_cache, prefill, trim_cache
+from omnidraft_mlx.decode.plain import PlainStats, plain_generate
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.pair import make_pair
 
 WINDOW = 24
 PROMPTS = [TEXT[:260], TEXT[600:700] + "\ndef add_"]

@@ -29,7 +29,12 @@ CHAT_TEMPLATE = (
 
 def corpus(which: str) -> list[str]:
     """Text to train a tokenizer on: Python's own sources, two disjoint sets."""
-    import argparse, collections, dataclasses, json as json_mod, textwrap, typing  # noqa: E401
+    import argparse  # noqa: E401
+    import collections
+    import dataclasses
+    import json as json_mod
+    import textwrap
+    import typing
 
     mods = [argparse, collections, dataclasses] if which == "draft" else [json_mod, textwrap, typing]
     texts = []
@@ -56,21 +61,32 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 
 
 def write_model(
-    out: Path, tok: Tokenizer, hidden: int, layers: int, seed: int,
-    logit_scale: float = 1.0, train_text: str = "", train_steps: int = 0, window: int = 0,
+    out: Path,
+    tok: Tokenizer,
+    hidden: int,
+    layers: int,
+    seed: int,
+    logit_scale: float = 1.0,
+    train_text: str = "",
+    train_steps: int = 0,
+    window: int = 0,
 ) -> Path:
     """A tiny llama with random weights, as an mlx-lm model directory; with
     window > 0 a tiny Gemma 3 instead (sliding-window layers, every third global)."""
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "bos_token": None,
-        "pad_token": "<|endoftext|>",
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 2048,
-    }))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "pad_token": "<|endoftext|>",
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 2048,
+            }
+        )
+    )
     config = {
         "model_type": "llama",
         "hidden_size": hidden,
@@ -88,8 +104,13 @@ def write_model(
     arch = llama
     if window:
         arch = gemma3_text
-        config.update(model_type="gemma3_text", head_dim=hidden // 4, query_pre_attn_scalar=hidden // 4,
-                      sliding_window=window, sliding_window_pattern=3)
+        config.update(
+            model_type="gemma3_text",
+            head_dim=hidden // 4,
+            query_pre_attn_scalar=hidden // 4,
+            sliding_window=window,
+            sliding_window_pattern=3,
+        )
     (out / "config.json").write_text(json.dumps(config))
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))
@@ -105,9 +126,9 @@ def write_model(
 def train_lm(model, tok: Tokenizer, text: str, steps: int, seq: int = 64, batch: int = 16) -> None:
     """A few hundred AdamW steps of next-token prediction: both tiny models
     learn the same text, so they agree often, as a real drafter and target do."""
-    import numpy as np
     import mlx.nn as nn
     import mlx.optimizers as optim
+    import numpy as np
 
     ids = np.array(tok.encode(text).ids)
     rng = np.random.default_rng(0)
@@ -149,8 +170,24 @@ def build_windowed_models(root: Path, window: int, steps: int = 300) -> dict[str
     """Tiny Gemma 3 models with a small sliding window, trained like build_tiny_models':
     "target" (the tiny target's tokenizer) and "draft" (the tiny drafter's)."""
     return {
-        "target": write_model(root / "gemma-target", train_tokenizer(corpus("target"), 600), 64, 3, seed=5,
-                              train_text=TEXT, train_steps=steps, window=window),
-        "draft": write_model(root / "gemma-draft", train_tokenizer(corpus("draft"), 420), 48, 3, seed=6,
-                             train_text=TEXT, train_steps=steps, window=window),
+        "target": write_model(
+            root / "gemma-target",
+            train_tokenizer(corpus("target"), 600),
+            64,
+            3,
+            seed=5,
+            train_text=TEXT,
+            train_steps=steps,
+            window=window,
+        ),
+        "draft": write_model(
+            root / "gemma-draft",
+            train_tokenizer(corpus("draft"), 420),
+            48,
+            3,
+            seed=6,
+            train_text=TEXT,
+            train_steps=steps,
+            window=window,
+        ),
     }

@@ -19,13 +19,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from omnidraft_mlx.vocab.align import as_draft_tokens, byte_ends, common_prefix, spelled_bytes
 from omnidraft_mlx.decode.drafts import Context, Draft, DraftSource
 from omnidraft_mlx.decode.kvcache import KVSlot
-from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.decode.policy import DraftPolicy
+from omnidraft_mlx.pair import Pair
+from omnidraft_mlx.vocab.align import as_draft_tokens, byte_ends, common_prefix, spelled_bytes
 from omnidraft_mlx.vocab.translate import complete_utf8, translate_text, translate_tokens
-
 
 BRANCHES = 3  # next-best drafter tokens per drafted position offered as branches (trees)
 
@@ -134,8 +133,13 @@ class DrafterSource(DraftSource):
     def propose(self, ctx: Context, limit: int, guess: list[int] = ()) -> Draft:
         forwards, catch_up = self.state.forwards, len(ctx.committed) != self.in_step
         logits, hidden = self.state.sync(bytes(ctx.text), ctx.committed)
-        ids, probs, feats, seen = self._draft(logits, hidden, min(limit, self.policy.max_len), ctx.rng,
-                                              as_draft_tokens(guess, self.pair.vmap, self.pair.draft_tok))
+        ids, probs, feats, seen = self._draft(
+            logits,
+            hidden,
+            min(limit, self.policy.max_len),
+            ctx.rng,
+            as_draft_tokens(guess, self.pair.vmap, self.pair.draft_tok),
+        )
         tokens, spans, used = self._translate(ids)
         branches, expected = self._branches(ids, seen, used) if self.tree else ([], 0.0)
         ids = ids[:used]
@@ -152,9 +156,18 @@ class DrafterSource(DraftSource):
                 self.policy.time_round(forwards=self.state.forwards - forwards, drafted=len(ids), **timing)
             self.in_step = len(ctx.committed) + timing["tokens"]
 
-        return Draft(tokens, self.name, None if self.greedy else q, settle, drafted=len(ids),
-                     forwards=self.state.forwards - forwards, merged=[e - s > 1 for s, e in spans or []],
-                     catch_up=catch_up, branches=branches, expected=expected)
+        return Draft(
+            tokens,
+            self.name,
+            None if self.greedy else q,
+            settle,
+            drafted=len(ids),
+            forwards=self.state.forwards - forwards,
+            merged=[e - s > 1 for s, e in spans or []],
+            catch_up=catch_up,
+            branches=branches,
+            expected=expected,
+        )
 
     def _translate(self, ids: list[int]) -> tuple[list[int], list | None, int]:
         """Target tokens for drafted ids, the draft tokens behind each (tokens translation), and

@@ -7,14 +7,14 @@ context and in the user's history (lookup.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
+from omnidraft_mlx.decode.tree import TokenTree
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.settings import check_choice
-from omnidraft_mlx.decode.tree import TokenTree
 
 
 @dataclass

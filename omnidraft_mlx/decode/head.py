@@ -161,7 +161,7 @@ class LearnedHead:
         atomic_write_bytes(path, buf.getvalue())
         self.unsaved, self.synced_rounds = 0, self.rounds
 
-    def merge(self, other: "LearnedHead") -> None:
+    def merge(self, other: LearnedHead) -> None:
         """Become `other` (this head as another process saved it) plus the labels this
         one gathered since it was loaded or saved; its own weights are kept when it
         learned since, other's taken otherwise (weights cannot be merged)."""
@@ -174,7 +174,7 @@ class LearnedHead:
             self.rounds += other.rounds - self.synced_rounds
             self.synced_rounds = other.rounds
 
-    def read(self, path: str | Path) -> "LearnedHead":
+    def read(self, path: str | Path) -> LearnedHead:
         """A head on this one's features, as saved at path (the profile's reader)."""
         head = LearnedHead(self.buffer, self.hidden)
         head.load(path)

@@ -13,9 +13,9 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from omnidraft_mlx.vocab.align import common_prefix
-from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.decode.tree import TokenTree, keep_path, tree_forward
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.vocab.align import common_prefix
 
 PREFILL_CHUNK = 512
 
@@ -63,9 +63,7 @@ def trim_cache(cache: list, n: int) -> None:
     for c in cache:
         trimmed = c.trim(n)
         if trimmed != n:
-            raise OmniDraftError(
-                f"a KV cache could not roll back {n} positions (trimmed {trimmed})"
-            )
+            raise OmniDraftError(f"a KV cache could not roll back {n} positions (trimmed {trimmed})")
 
 
 def prefill(model, cache: list, ids: list[int], rows: int = 0) -> mx.array | None:
@@ -87,7 +85,7 @@ class KVSlot:
     tokens: list[int] = field(default_factory=list)
 
     @classmethod
-    def fresh(cls, model) -> "KVSlot":
+    def fresh(cls, model) -> KVSlot:
         return cls(make_cache(model))
 
     def common_prefix(self, ids: list[int]) -> int:

@@ -26,8 +26,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.decode.drafts import Context, Draft, DraftSource
+from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.profile.learned import deferred_interrupt
 
 
@@ -94,8 +94,9 @@ class ContextLookup(LookupSource):
         for n in range(min(self.max_ngram, len(tail)), 0, -1):
             starts = self.after.get(tuple(tail[-n:]))
             if starts:
-                start, match = max(((s, self._match(tail, s, n)) for s in starts[-self.candidates :]),
-                                   key=lambda sm: (sm[1], sm[0]))
+                start, match = max(
+                    ((s, self._match(tail, s, n)) for s in starts[-self.candidates :]), key=lambda sm: (sm[1], sm[0])
+                )
                 return self.seq[start : start + count], match
         return [], 0
 
@@ -174,7 +175,7 @@ class HistoryIndex:
             seq.append(token)
         return out, first
 
-    def merge(self, other: "HistoryIndex") -> None:
+    def merge(self, other: HistoryIndex) -> None:
         """Become `other` (as another process saved it) plus the replies added here since."""
         with deferred_interrupt():
             self.next = {g: Counter(c) for g, c in other.next.items()}
@@ -188,7 +189,7 @@ class HistoryIndex:
         self.fresh = []
 
     @classmethod
-    def load(cls, path: str | Path) -> "HistoryIndex":
+    def load(cls, path: str | Path) -> HistoryIndex:
         data = json.loads(Path(path).read_text())
         index = cls(data["order"], data["capacity"])
         for gram, counts, uses in data["entries"]:
@@ -213,4 +214,6 @@ class HistorySource(LookupSource):
     def end_reply(self, ctx: Context) -> None:
         """Index the reply (the prompt's last tokens as its first context)."""
         if self.learn and ctx.committed:
-            self.index.add(ctx.prompt[-self.index.order :] + ctx.committed, start=min(len(ctx.prompt), self.index.order))
+            self.index.add(
+                ctx.prompt[-self.index.order :] + ctx.committed, start=min(len(ctx.prompt), self.index.order)
+            )

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -25,8 +25,15 @@ class PlainStats:
 
 
 def plain_generate(
-    model, tokenizer, prompt_ids: list[int], stats: PlainStats,
-    temp: float = 0.0, top_p: float = 1.0, max_tokens: int = 256, seed: int = 0, prompt_cache: list | None = None,
+    model,
+    tokenizer,
+    prompt_ids: list[int],
+    stats: PlainStats,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    max_tokens: int = 256,
+    seed: int = 0,
+    prompt_cache: list | None = None,
 ) -> Iterator[int]:
     """Yield the target's own tokens one by one (mlx-lm's generate_step), stopping at eos.
     Given a prompt_cache, prompt_ids are what follows the tokens it holds."""
@@ -35,7 +42,9 @@ def plain_generate(
     eos = set(tokenizer.eos_token_ids)
     stats.prompt_tokens = len(prompt_ids)
     start = time.perf_counter()
-    steps = generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=sampler, prompt_cache=prompt_cache)
+    steps = generate_step(
+        mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=sampler, prompt_cache=prompt_cache
+    )
     for token, _ in steps:
         token = int(token)
         now = time.perf_counter()

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from omnidraft_mlx.vocab.align import spelled_bytes
-from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.decode.fit import DraftCost
 from omnidraft_mlx.decode.head import LearnedHead, token_features, update_recent
+from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.settings import check_choice, check_range
+from omnidraft_mlx.vocab.align import spelled_bytes
 
 POLICIES = ("fixed", "confidence", "heuristic", "learned")
 
@@ -107,8 +107,9 @@ class DraftPolicy:
     def observe(self, features: list[mx.array], accepted: list[bool]) -> None:
         """This round's proposed draft tokens: did their text reach the output?"""
 
-    def time_round(self, draft_s: float, forwards: int, verify_s: float, drafted: int, round_s: float,
-                   tokens: int) -> None:
+    def time_round(
+        self, draft_s: float, forwards: int, verify_s: float, drafted: int, round_s: float, tokens: int
+    ) -> None:
         """What one round cost and made."""
 
 
@@ -170,8 +171,9 @@ class LearnedPolicy(DraftPolicy):
         measured = self.cost.gamma(forward)
         return self.cfg.start_gamma if measured is None else measured
 
-    def time_round(self, draft_s: float, forwards: int, verify_s: float, drafted: int, round_s: float,
-                   tokens: int) -> None:
+    def time_round(
+        self, draft_s: float, forwards: int, verify_s: float, drafted: int, round_s: float, tokens: int
+    ) -> None:
         self.cost.add(draft_s, forwards, verify_s, drafted, round_s, tokens)
 
     def begin_reply(self) -> None:
@@ -236,8 +238,13 @@ class OraclePolicy(DraftPolicy):
         return self.reply.startswith(self.committed + self.drafted)
 
 
-KINDS = {"fixed": FixedPolicy, "confidence": ConfidencePolicy, "heuristic": HeuristicPolicy,
-         "learned": LearnedPolicy, "oracle": OraclePolicy}
+KINDS = {
+    "fixed": FixedPolicy,
+    "confidence": ConfidencePolicy,
+    "heuristic": HeuristicPolicy,
+    "learned": LearnedPolicy,
+    "oracle": OraclePolicy,
+}
 
 
 def make_policy(cfg: PolicyConfig) -> DraftPolicy:

@@ -18,15 +18,15 @@ older caches, never fetched again, age out.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from mlx_lm.models.cache import LRUPromptCache
 
 from omnidraft_mlx.decode.kvcache import KVSlot
-from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.decode.policy import DraftPolicy
 from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats, decode_alone
+from omnidraft_mlx.pair import Pair
 
 DEFAULT_CACHE_BYTES = 2 << 30
 MAX_SEQUENCES = 64  # per cache, both models together; the byte budget usually binds first
@@ -79,8 +79,17 @@ class PromptCache:
             if slot.tokens:
                 self.lru.insert_cache(key, list(slot.tokens), slot.cache)
 
-    def start(self, pair: Pair, draft_ids: list[int], target_ids: list[int], cfg: SpecConfig, stats: SpecStats,
-              policy: DraftPolicy | None = None, use: CacheUse | None = None, **options) -> Decoding:
+    def start(
+        self,
+        pair: Pair,
+        draft_ids: list[int],
+        target_ids: list[int],
+        cfg: SpecConfig,
+        stats: SpecStats,
+        policy: DraftPolicy | None = None,
+        use: CacheUse | None = None,
+        **options,
+    ) -> Decoding:
         """A Decoding (with further `options` of its own) on slots from the cache; how many prompt
         tokens it reused goes into `use`. Give it back with finish()."""
         draft_slot, target_slot = self.slots(pair, draft_ids, target_ids)
@@ -88,8 +97,9 @@ class PromptCache:
             # The loop always feeds each model its prompt's last token afresh.
             use.draft_tokens = min(draft_slot.common_prefix(draft_ids), len(draft_ids) - 1)
             use.target_tokens = min(target_slot.common_prefix(target_ids), len(target_ids) - 1)
-        return Decoding(pair, draft_ids, target_ids, cfg, stats, policy,
-                        target_slot=target_slot, draft_slot=draft_slot, **options)
+        return Decoding(
+            pair, draft_ids, target_ids, cfg, stats, policy, target_slot=target_slot, draft_slot=draft_slot, **options
+        )
 
     def finish(self, decoding: Decoding, intact: bool = True) -> None:
         """Close the decoding and keep its slots: only when `intact` (an exception inside a
@@ -98,9 +108,17 @@ class PromptCache:
         if intact:
             self.store(decoding.draft_slot, decoding.target)
 
-    def generate(self, pair: Pair, draft_ids: list[int], target_ids: list[int], cfg: SpecConfig,
-                 stats: SpecStats, policy: DraftPolicy | None = None, use: CacheUse | None = None,
-                 **options) -> Iterator[tuple[list[int], list[bool]]]:
+    def generate(
+        self,
+        pair: Pair,
+        draft_ids: list[int],
+        target_ids: list[int],
+        cfg: SpecConfig,
+        stats: SpecStats,
+        policy: DraftPolicy | None = None,
+        use: CacheUse | None = None,
+        **options,
+    ) -> Iterator[tuple[list[int], list[bool]]]:
         """start(), its rounds decoded alone; the slots are stored back when the loop ended or
         was closed between rounds (a consumer that stops early)."""
         decoding = self.start(pair, draft_ids, target_ids, cfg, stats, policy, use, **options)

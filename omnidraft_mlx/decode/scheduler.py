@@ -29,11 +29,11 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from omnidraft_mlx.vocab.align import common_prefix
 from omnidraft_mlx.decode.drafts import PLAIN, Context, Draft
 from omnidraft_mlx.decode.fit import VerifyCost
 from omnidraft_mlx.decode.tree import TokenTree
 from omnidraft_mlx.decode.widths import MOST, verify_costs
+from omnidraft_mlx.vocab.align import common_prefix
 
 
 @dataclass
@@ -72,8 +72,14 @@ class Hold:
 
 
 class Scheduler:
-    def __init__(self, decay: float = 0.95, hold_decay: float = 0.8, probe_every: int = 16, probe_rounds: int = 4,
-                 max_wait: int = 256):
+    def __init__(
+        self,
+        decay: float = 0.95,
+        hold_decay: float = 0.8,
+        probe_every: int = 16,
+        probe_rounds: int = 4,
+        max_wait: int = 256,
+    ):
         self.decay, self.hold_decay = decay, hold_decay
         self.probe_every, self.probe_rounds, self.max_wait = probe_every, probe_rounds, max_wait
         self.rates: dict[str, Rate] = {}
@@ -88,7 +94,7 @@ class Scheduler:
         self.measured = False  # the verification cost per draft length seeded from widths.py
         self.branches = Hold()  # kept branches' scores (drafts) against the tokens they held (held)
 
-    def fork(self) -> "Scheduler":
+    def fork(self) -> Scheduler:
         """A scheduler for a reply decoded beside this one's (concurrent requests): it starts
         from what this one measured and keeps what it measures itself."""
         other = copy.copy(self)
@@ -163,7 +169,9 @@ class Scheduler:
         if choice is None:
             draft = Draft([], PLAIN)
         else:
-            draft = choice if isinstance(choice, Draft) else choice.propose(ctx, limit, free[guess].tokens if guess else [])
+            draft = (
+                choice if isinstance(choice, Draft) else choice.propose(ctx, limit, free[guess].tokens if guess else [])
+            )
         draft = self._pad(draft, ctx, limit - 1)
         self._branch(draft)
         return draft

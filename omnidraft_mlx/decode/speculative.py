@@ -16,8 +16,8 @@ target's distribution.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -28,11 +28,11 @@ from omnidraft_mlx.decode.drafter import DrafterSource, softmax
 from omnidraft_mlx.decode.drafts import SOURCES, Context, Draft, check_sources, point_mass
 from omnidraft_mlx.decode.kvcache import KVSlot
 from omnidraft_mlx.decode.lookup import ContextLookup, HistoryIndex, HistorySource, escaped_views
-from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.decode.policy import DraftPolicy, FixedPolicy, PolicyConfig
 from omnidraft_mlx.decode.scheduler import Scheduler
-from omnidraft_mlx.settings import check_choice, check_range
 from omnidraft_mlx.decode.tree import TokenTree
+from omnidraft_mlx.pair import Pair
+from omnidraft_mlx.settings import check_choice, check_range
 
 SAMPLING_MODES = ("exact", "omnidraft")  # exact: direct maps only, provably lossless; omnidraft: + n-grams
 
@@ -171,9 +171,16 @@ def verify(out: mx.array, tree: TokenTree, draft: Draft, cfg: SpecConfig, rng) -
         path.append(node)
 
 
-def make_sources(pair: Pair, draft_prompt: list[int], target_prompt: list[int], cfg: SpecConfig, policy: DraftPolicy,
-                 history: HistoryIndex | None = None, draft_slot: KVSlot | None = None,
-                 learn_history: bool = True) -> list:
+def make_sources(
+    pair: Pair,
+    draft_prompt: list[int],
+    target_prompt: list[int],
+    cfg: SpecConfig,
+    policy: DraftPolicy,
+    history: HistoryIndex | None = None,
+    draft_slot: KVSlot | None = None,
+    learn_history: bool = True,
+) -> list:
     """The configured draft sources (history only with an index to draw on)."""
     sources = []
     if "context" in cfg.sources:
@@ -195,10 +202,21 @@ class Decoding:
     ones measured. on_logits gets, after each round, the target's logits that chose the
     round's new ids (a row each)."""
 
-    def __init__(self, pair: Pair, draft_prompt: list[int], target_prompt: list[int], cfg: SpecConfig,
-                 stats: SpecStats, policy: DraftPolicy | None = None, history: HistoryIndex | None = None,
-                 target_slot: KVSlot | None = None, draft_slot: KVSlot | None = None, learn_history: bool = True,
-                 scheduler: Scheduler | None = None, on_logits: Callable[[mx.array], None] | None = None):
+    def __init__(
+        self,
+        pair: Pair,
+        draft_prompt: list[int],
+        target_prompt: list[int],
+        cfg: SpecConfig,
+        stats: SpecStats,
+        policy: DraftPolicy | None = None,
+        history: HistoryIndex | None = None,
+        target_slot: KVSlot | None = None,
+        draft_slot: KVSlot | None = None,
+        learn_history: bool = True,
+        scheduler: Scheduler | None = None,
+        on_logits: Callable[[mx.array], None] | None = None,
+    ):
         self.pair, self.cfg, self.stats, self.on_logits = pair, cfg, stats, on_logits
         policy = policy or FixedPolicy(PolicyConfig(k=cfg.k))
         self.target_eos = set(pair.target_tok.eos_token_ids) | {pair.vmap.target_eos}
@@ -209,8 +227,13 @@ class Decoding:
         stats.cached_tokens = min(target.common_prefix(target_prompt), len(target_prompt) - 1)
         target.reuse(pair.target, target_prompt[:-1])
         self.scheduler = scheduler or Scheduler()
-        self.scheduler.begin_reply(make_sources(pair, draft_prompt, target_prompt, cfg, policy, history, draft_slot, learn_history),
-                                   cfg.guard, self.ctx, pair.target, target)
+        self.scheduler.begin_reply(
+            make_sources(pair, draft_prompt, target_prompt, cfg, policy, history, draft_slot, learn_history),
+            cfg.guard,
+            self.ctx,
+            pair.target,
+            target,
+        )
         stats.prompt_tokens = len(target_prompt)
         stats.prefill_s = time.perf_counter() - t_start
         self.t_gen, self.y = time.perf_counter(), target_prompt[-1]  # y: the last token, the next forward's root
@@ -273,9 +296,15 @@ def decode_alone(decoding: Decoding) -> Iterator[tuple[list[int], list[bool]]]:
         yield taken[0]
 
 
-def speculative_generate(pair: Pair, draft_prompt: list[int], target_prompt: list[int], cfg: SpecConfig,
-                         stats: SpecStats, policy: DraftPolicy | None = None, **options
-                         ) -> Iterator[tuple[list[int], list[bool]]]:
+def speculative_generate(
+    pair: Pair,
+    draft_prompt: list[int],
+    target_prompt: list[int],
+    cfg: SpecConfig,
+    stats: SpecStats,
+    policy: DraftPolicy | None = None,
+    **options,
+) -> Iterator[tuple[list[int], list[bool]]]:
     """decode_alone on a new Decoding (`options`: its own)."""
     decoding = Decoding(pair, draft_prompt, target_prompt, cfg, stats, policy, **options)
     try:

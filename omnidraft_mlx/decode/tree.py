@@ -28,7 +28,7 @@ class TokenTree:
     chain: int = 0  # the first `chain` nodes are the main chain, each the child of the one before
 
     @classmethod
-    def of(cls, chain: list[int], branches: list[list[int]] = ()) -> "TokenTree":
+    def of(cls, chain: list[int], branches: list[list[int]] = ()) -> TokenTree:
         """The chain, then each branch (target tokens from the root) merged in."""
         tree = cls(list(chain), list(range(-1, len(chain) - 1)), len(chain))
         for branch in branches:
@@ -121,8 +121,10 @@ def tree_attention(model, cache: list, tree: TokenTree):
     """For one forward over [root, *tree.tokens]: ancestor masks and per-token positions."""
     depth, ancestors = tree.rows()
     for c in cache:
+
         def make_mask(N, return_array=False, window_size=None, c=c):
             return tree_mask(c.offset, depth, ancestors, window_size or getattr(c, "window", None))
+
         c.make_mask = make_mask
     try:
         with positions_rope(model, mx.array(cache[0].offset + depth)[None]):

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from omnidraft_mlx.profile.atomic import atomic_write_text
-from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.decode.kvcache import KVSlot, trim_cache
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.profile.atomic import atomic_write_text
 
 MOST = 16  # draft lengths measured: 0..MOST (a lookup's first draft is 8; doubled, 16)
 PASSES = 3  # over all lengths, each length's fastest kept: a burst of other work slows one pass
@@ -34,13 +34,19 @@ def costs_path() -> Path:
 
 def shape_key(model) -> str:
     """What the forward's cost depends on: the model's configuration, its weights' format, the machine."""
-    layers = {f"{type(m).__name__}:{m.weight.dtype}:{getattr(m, 'bits', '')}"
-              for _, m in model.named_modules() if isinstance(getattr(m, "weight", None), mx.array)}
+    layers = {
+        f"{type(m).__name__}:{m.weight.dtype}:{getattr(m, 'bits', '')}"
+        for _, m in model.named_modules()
+        if isinstance(getattr(m, "weight", None), mx.array)
+    }
     parts = {
         "args": {k: v for k, v in sorted(vars(model.args).items()) if isinstance(v, (int, float, str, bool))},
         "format": sorted(layers),
-        "device": str(mx.default_device()), "mlx": mx.__version__, "machine": platform.machine(),
-        "cpus": os.cpu_count(), "threads": os.environ.get("OPENBLAS_NUM_THREADS", ""),
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "threads": os.environ.get("OPENBLAS_NUM_THREADS", ""),
         "measured": f"fastest of {PASSES}",  # curves measured in one pass are measured again
     }
     return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]

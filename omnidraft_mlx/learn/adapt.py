@@ -26,24 +26,24 @@ from __future__ import annotations
 import copy
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import chain, zip_longest
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
-from omnidraft_mlx.learn.distill import DistillConfig, Distiller, Example, StepStats, make_example
-from omnidraft_mlx.learn.distributed import all_sum, gather_rows, shard, share_tree, world
-from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.pair import Pair
+from omnidraft_mlx.decode.drafter import output_head
 from omnidraft_mlx.decode.head import replay_depths, replay_recent
 from omnidraft_mlx.decode.policy import DraftPolicy, LearnedPolicy
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.learn.distill import DistillConfig, Distiller, Example, StepStats, make_example
+from omnidraft_mlx.learn.distributed import all_sum, gather_rows, shard, share_tree, world
+from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.profile.store import Profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
-from omnidraft_mlx.decode.drafter import output_head
-from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 
 TEXT_SUFFIXES_SKIPPED = {".png", ".jpg", ".jpeg", ".gif", ".pdf", ".zip", ".gz", ".bin", ".safetensors", ".pyc"}
 
@@ -63,9 +63,14 @@ def _messages(row, where: str) -> list[dict]:
     if isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"].strip():
         return user_messages(row["prompt"])
     msgs = row.get("messages") if isinstance(row, dict) else None
-    if (isinstance(msgs, list) and msgs and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in msgs) and any(m["content"].strip() for m in msgs)):
+    if (
+        isinstance(msgs, list)
+        and msgs
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
+        )
+        and any(m["content"].strip() for m in msgs)
+    ):
         return [{"role": m["role"], "content": m["content"]} for m in msgs]
     raise OmniDraftError(f'{where}: expected {{"prompt": "..."}} or {{"messages": [{{"role": ..., "content": ...}}]}}')
 
@@ -99,8 +104,13 @@ def read_corpus(path: str | Path) -> list[Sample]:
     if not path.exists():
         raise OmniDraftError(f"no such corpus: {path}")
     if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.parts)
-                       and f.suffix.lower() not in TEXT_SUFFIXES_SKIPPED)
+        files = sorted(
+            f
+            for f in path.rglob("*")
+            if f.is_file()
+            and not any(p.startswith(".") for p in f.parts)
+            and f.suffix.lower() not in TEXT_SUFFIXES_SKIPPED
+        )
         samples = [s for f in files for s in (read_jsonl(f) if f.suffix == ".jsonl" else [Sample(text=_read_text(f))])]
     elif path.suffix in (".jsonl", ".json"):
         samples = read_jsonl(path)
@@ -121,9 +131,12 @@ def task_corpus(tasks: str, split: str = "adapt") -> list[Sample]:
 
     per_task = [load_task(task.strip(), split) for task in tasks.split(",")]
     prompts = [p for p in chain.from_iterable(zip_longest(*per_task)) if p is not None]
-    return [Sample(messages=user_messages(p.text) + ([{"role": "assistant", "content": p.reference}]
-                                                      if p.reference else []))
-            for p in prompts]
+    return [
+        Sample(
+            messages=user_messages(p.text) + ([{"role": "assistant", "content": p.reference}] if p.reference else [])
+        )
+        for p in prompts
+    ]
 
 
 def asked(messages: list[dict]) -> list[dict]:
@@ -167,8 +180,15 @@ class OnlineLearner:
     Under mlx.launch only rank 0 writes the profile.
     """
 
-    def __init__(self, pair: Pair, cfg: DistillConfig, interval: int = 8, profile: Profile | None = None,
-                 raw: bool = False, policy: DraftPolicy | None = None):
+    def __init__(
+        self,
+        pair: Pair,
+        cfg: DistillConfig,
+        interval: int = 8,
+        profile: Profile | None = None,
+        raw: bool = False,
+        policy: DraftPolicy | None = None,
+    ):
         if interval < 1:
             raise OmniDraftError("the update interval must be at least 1 prompt")
         self.pair, self.cfg, self.interval, self.profile, self.raw = pair, cfg, interval, profile, raw
@@ -191,9 +211,13 @@ class OnlineLearner:
 
     def example(self, messages: list[dict], reply_target_ids: list[int]) -> Example:
         """The training example of a reply to `messages` (each model gets its own chat template)."""
-        return make_example(self.pair, encode_prompt(self.pair.draft_tok, messages, self.raw),
-                            encode_prompt(self.pair.target_tok, messages, self.raw),
-                            list(reply_target_ids), self.cfg.max_len)
+        return make_example(
+            self.pair,
+            encode_prompt(self.pair.draft_tok, messages, self.raw),
+            encode_prompt(self.pair.target_tok, messages, self.raw),
+            list(reply_target_ids),
+            self.cfg.max_len,
+        )
 
     def observe(self, messages: list[dict], reply_target_ids: list[int]) -> None:
         """Queue a verified reply to `messages`."""
@@ -227,19 +251,37 @@ class OnlineLearner:
         if self.profile is not None and self.group.rank() == 0:
             t0 = time.perf_counter()
             self.profile.save(
-                self.pair.draft, self.distiller.opt, self.cfg.__dict__, self.corpus, self.position,
-                {"update": report.update, "examples": report.examples, "loss": report.loss,
-                 "seconds": round(report.seconds, 2), "tokens_per_s": round(report.tokens_per_s, 1),
-                 "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 2), **(record or {})},
+                self.pair.draft,
+                self.distiller.opt,
+                self.cfg.__dict__,
+                self.corpus,
+                self.position,
+                {
+                    "update": report.update,
+                    "examples": report.examples,
+                    "loss": report.loss,
+                    "seconds": round(report.seconds, 2),
+                    "tokens_per_s": round(report.tokens_per_s, 1),
+                    "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 2),
+                    **(record or {}),
+                },
             )
             self.updates = report.update = self.profile.updates  # another process's updates count too
             report.save_s = time.perf_counter() - t0
         return report
 
 
-def open_learner(draft: str, target: str, models: tuple, cfg: DistillConfig, interval: int = 8,
-                 raw: bool = False, path: Path | None = None, note: Callable[[str], None] = lambda s: None,
-                 policy: DraftPolicy | None = None) -> OnlineLearner:
+def open_learner(
+    draft: str,
+    target: str,
+    models: tuple,
+    cfg: DistillConfig,
+    interval: int = 8,
+    raw: bool = False,
+    path: Path | None = None,
+    note: Callable[[str], None] = lambda s: None,
+    policy: DraftPolicy | None = None,
+) -> OnlineLearner:
     """A learner on the pair's profile: its adapter, optimizer state and n-grams
     when they exist (the saved adapter's shape wins over cfg's), else a fresh one.
     `models` is (draft model, draft tokenizer, target model, target tokenizer)."""
@@ -296,8 +338,13 @@ def _prompt(sample: Sample, mode: str) -> list[dict]:
     return asked(sample.messages)
 
 
-def stream(learner: OnlineLearner, samples: list[Sample], spec: SpecConfig, budget: Budget,
-           on_event: Callable[[Event], None] = lambda e: None) -> list[dict]:
+def stream(
+    learner: OnlineLearner,
+    samples: list[Sample],
+    spec: SpecConfig,
+    budget: Budget,
+    on_event: Callable[[Event], None] = lambda e: None,
+) -> list[dict]:
     """Algorithm 2: answer each prompt speculatively, learn from the verified reply.
 
     Returns one record per prompt (acceptance as it was when answered, the reply's target ids)."""
@@ -309,22 +356,41 @@ def stream(learner: OnlineLearner, samples: list[Sample], spec: SpecConfig, budg
         stats = SpecStats()
         draft_ids = encode_prompt(pair.draft_tok, msgs, learner.raw)
         target_ids = encode_prompt(pair.target_tok, msgs, learner.raw)
-        reply = [t for new, _ in speculative_generate(pair, draft_ids, target_ids, spec, stats, learner.policy,
-                                                      history=learner.history) for t in new]
+        reply = [
+            t
+            for new, _ in speculative_generate(
+                pair, draft_ids, target_ids, spec, stats, learner.policy, history=learner.history
+            )
+            for t in new
+        ]
         learner.observe(msgs, reply)
         learner.position, done = idx + 1, done + 1
-        records.append({"position": idx + 1, "acceptance": stats.acceptance, "proposed": stats.proposed,
-                        "accepted": stats.accepted, "tokens_per_forward": stats.tokens_per_forward,
-                        "tokens": stats.emitted, "ngrams": len(pair.ngrams), "updates": learner.updates,
-                        "reply": reply})
+        records.append(
+            {
+                "position": idx + 1,
+                "acceptance": stats.acceptance,
+                "proposed": stats.proposed,
+                "accepted": stats.accepted,
+                "tokens_per_forward": stats.tokens_per_forward,
+                "tokens": stats.emitted,
+                "ngrams": len(pair.ngrams),
+                "updates": learner.updates,
+                "reply": reply,
+            }
+        )
         report = learner.update(_window(records, learner.interval)) if len(learner.buffer) >= learner.interval else None
         on_event(Event(done, learner.position, stats.acceptance, report))
     learner.update(_window(records, learner.interval))  # what is left in the buffer
     return records
 
 
-def batch(learner: OnlineLearner, samples: list[Sample], max_tokens: int, budget: Budget,
-          on_event: Callable[[Event], None] = lambda e: None) -> list[dict]:
+def batch(
+    learner: OnlineLearner,
+    samples: list[Sample],
+    max_tokens: int,
+    budget: Budget,
+    on_event: Callable[[Event], None] = lambda e: None,
+) -> list[dict]:
     """The target answers `interval` prompts per batched greedy decoding; an update follows.
 
     Under mlx.launch the `interval` prompts are shared between the ranks (distributed.shard)
@@ -342,9 +408,22 @@ def batch(learner: OnlineLearner, samples: list[Sample], max_tokens: int, budget
         mine = [i for part in parts for i in part]
         prompts = {i: _prompt(samples[i], "batch") for i in mine}
         ids = [encode_prompt(pair.target_tok, prompts[i], learner.raw) for i in mine]
-        replies = dict(zip(mine, batch_generate(
-            pair.target, pair.target_tok, ids, max_tokens=max_tokens, return_token_ids=True,
-            prefill_batch_size=len(ids), completion_batch_size=len(ids)).token_ids if ids else []))
+        replies = dict(
+            zip(
+                mine,
+                batch_generate(
+                    pair.target,
+                    pair.target_tok,
+                    ids,
+                    max_tokens=max_tokens,
+                    return_token_ids=True,
+                    prefill_batch_size=len(ids),
+                    completion_batch_size=len(ids),
+                ).token_ids
+                if ids
+                else [],
+            )
+        )
         examples = {i: learner.example(prompts[i], r) for i, r in replies.items() if r}
         labels = {}
         if policy is not None:  # before the update: what this drafter would have had accepted
@@ -354,11 +433,20 @@ def batch(learner: OnlineLearner, samples: list[Sample], max_tokens: int, budget
             reply = replies[i].tolist()
             pair.learn_ngrams(reply)  # what verification would have taught the cache
             if learner.history is not None:  # as decoding would: the prompt's tail as context
-                context = encode_prompt(pair.target_tok, _prompt(samples[i], "batch"), learner.raw)[-learner.history.order :]
+                context = encode_prompt(pair.target_tok, _prompt(samples[i], "batch"), learner.raw)[
+                    -learner.history.order :
+                ]
                 learner.history.add(context + reply, start=len(context))
             done += 1
-            records.append({"position": i + 1, "tokens": len(reply), "ngrams": len(pair.ngrams),
-                            "updates": learner.updates, "reply": reply})
+            records.append(
+                {
+                    "position": i + 1,
+                    "tokens": len(reply),
+                    "ngrams": len(pair.ngrams),
+                    "updates": learner.updates,
+                    "reply": reply,
+                }
+            )
         if policy is not None:
             features = gather_rows({i: f for i, (f, _) in labels.items()}, group)
             kept = gather_rows({i: k for i, (_, k) in labels.items()}, group)
@@ -401,8 +489,10 @@ def head_labels(pair: Pair, example: Example, policy: LearnedPolicy) -> tuple[np
 def _window(records: list[dict], n: int) -> dict:
     recent = records[-n:]
     proposed = sum(r["proposed"] for r in recent)
-    return {"position": recent[-1]["position"] if recent else 0,
-            "acceptance": sum(r["accepted"] for r in recent) / proposed if proposed else None}
+    return {
+        "position": recent[-1]["position"] if recent else 0,
+        "acceptance": sum(r["accepted"] for r in recent) / proposed if proposed else None,
+    }
 
 
 def text_examples(pair: Pair, sample: Sample, max_len: int, raw: bool = False) -> list[Example]:
@@ -411,8 +501,15 @@ def text_examples(pair: Pair, sample: Sample, max_len: int, raw: bool = False) -
     if msgs and len(prompt := asked(msgs)) < len(msgs):
         reply = list(pair.target_tok.encode(msgs[-1]["content"], add_special_tokens=False))
         pair.learn_ngrams(reply)
-        return [make_example(pair, encode_prompt(pair.draft_tok, prompt, raw),
-                             encode_prompt(pair.target_tok, prompt, raw), reply, max_len)]
+        return [
+            make_example(
+                pair,
+                encode_prompt(pair.draft_tok, prompt, raw),
+                encode_prompt(pair.target_tok, prompt, raw),
+                reply,
+                max_len,
+            )
+        ]
     text = sample.text if sample.text is not None else "\n\n".join(m["content"] for m in msgs)
     ids = list(pair.target_tok.encode(text, add_special_tokens=False))
     pair.learn_ngrams(ids)
@@ -420,8 +517,9 @@ def text_examples(pair: Pair, sample: Sample, max_len: int, raw: bool = False) -
     return [make_example(pair, [], [], ids[i : i + chunk], max_len) for i in range(0, len(ids), chunk)]
 
 
-def text(learner: OnlineLearner, samples: list[Sample], budget: Budget,
-         on_event: Callable[[Event], None] = lambda e: None) -> None:
+def text(
+    learner: OnlineLearner, samples: list[Sample], budget: Budget, on_event: Callable[[Event], None] = lambda e: None
+) -> None:
     """Teacher-forced distillation over the corpus, an update every `interval` items."""
     done = 0
     for idx in range(learner.position, len(samples)):
@@ -438,8 +536,9 @@ def text(learner: OnlineLearner, samples: list[Sample], budget: Budget,
 # --- evaluation ------------------------------------------------------------------
 
 
-def evaluate(pair: Pair, prompts: list[list[dict]], k: int = 4, max_tokens: int = 48,
-             translation: str = "text") -> dict:
+def evaluate(
+    pair: Pair, prompts: list[list[dict]], k: int = 4, max_tokens: int = 48, translation: str = "text"
+) -> dict:
     """Greedy speculative decoding over prompts: acceptance and tokens per target forward.
     The n-gram cache is left as it was (evaluation must not learn)."""
     pair = replace(pair, ngrams=copy.deepcopy(pair.ngrams), spelled=set(pair.spelled))
@@ -449,11 +548,18 @@ def evaluate(pair: Pair, prompts: list[list[dict]], k: int = 4, max_tokens: int 
         # The drafter's own acceptance: it drafts every round, no lookups.
         cfg = SpecConfig(k=k, max_tokens=max_tokens, translation=translation, sources="drafter", guard=False)
         msgs = asked(msgs)
-        for _ in speculative_generate(pair, encode_prompt(pair.draft_tok, msgs), encode_prompt(pair.target_tok, msgs),
-                                      cfg, stats):
+        for _ in speculative_generate(
+            pair, encode_prompt(pair.draft_tok, msgs), encode_prompt(pair.target_tok, msgs), cfg, stats
+        ):
             pass
         for name in ("proposed", "accepted", "emitted", "rounds", "generate_s"):
             setattr(total, name, getattr(total, name) + getattr(stats, name))
-    return {"prompts": len(prompts), "acceptance": total.acceptance, "tokens_per_forward": total.tokens_per_forward,
-            "tokens_per_s": total.tokens_per_s, "tokens": total.emitted, "translation": translation, "k": k}
-
+    return {
+        "prompts": len(prompts),
+        "acceptance": total.acceptance,
+        "tokens_per_forward": total.tokens_per_forward,
+        "tokens_per_s": total.tokens_per_s,
+        "tokens": total.emitted,
+        "translation": translation,
+        "k": k,
+    }

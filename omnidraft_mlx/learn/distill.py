@@ -25,11 +25,11 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from omnidraft_mlx.vocab.align import align, as_draft_tokens
+from omnidraft_mlx.decode.drafter import output_head
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.settings import check_range
-from omnidraft_mlx.decode.drafter import output_head
+from omnidraft_mlx.vocab.align import align, as_draft_tokens
 
 
 @dataclass
@@ -55,7 +55,7 @@ class DistillConfig:
             check_range(flag, value, 1)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DistillConfig":
+    def from_dict(cls, d: dict) -> DistillConfig:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
     def adapter_dict(self) -> dict:
@@ -80,8 +80,9 @@ class Example:
         return len(self.direct_draft) + len(self.ngram_pos)
 
 
-def make_example(pair: Pair, draft_prompt: list[int], target_prompt: list[int], reply: list[int],
-                 max_len: int = 512) -> Example:
+def make_example(
+    pair: Pair, draft_prompt: list[int], target_prompt: list[int], reply: list[int], max_len: int = 512
+) -> Example:
     """Training positions of a target-token reply that followed the two prompts.
 
     Token i of a sequence is predicted by the output at position i - 1, so a
@@ -99,8 +100,9 @@ def make_example(pair: Pair, draft_prompt: list[int], target_prompt: list[int], 
     direct = [(pd + i - 1, pt + j - 1) for i, j in al.direct if keep(i, j)]
     ngram = [(pd + i - 1, draft_reply[i]) for i, _ in al.ngram if keep(i)]
     arr = lambda rows, c: np.array([r[c] for r in rows], dtype=np.int32)  # noqa: E731
-    return Example(draft_ids, target_ids, arr(direct, 0), arr(direct, 1), arr(ngram, 0), arr(ngram, 1),
-                   min(pd, len(draft_ids)))
+    return Example(
+        draft_ids, target_ids, arr(direct, 0), arr(direct, 1), arr(ngram, 0), arr(ngram, 1), min(pd, len(draft_ids))
+    )
 
 
 def head_weight(model) -> mx.array | None:
@@ -181,8 +183,11 @@ def fuse_lora(model) -> None:
     quantized layer they stay apart: re-quantizing would round the update away."""
     from mlx_lm.tuner.lora import LoRALinear
 
-    fused = [(n, m.fuse()) for n, m in model.named_modules()
-             if isinstance(m, LoRALinear) and not isinstance(m.linear, nn.QuantizedLinear)]
+    fused = [
+        (n, m.fuse())
+        for n, m in model.named_modules()
+        if isinstance(m, LoRALinear) and not isinstance(m.linear, nn.QuantizedLinear)
+    ]
     if fused:
         from mlx.utils import tree_unflatten
 
@@ -231,8 +236,11 @@ class Distiller:
 
         t0 = time.perf_counter()
         batch = [e for e in batch if e.positions]
-        local = [sum(len(e.direct_draft) for e in batch), sum(len(e.ngram_pos) for e in batch),
-                 sum(len(e.draft_ids) for e in batch)]
+        local = [
+            sum(len(e.direct_draft) for e in batch),
+            sum(len(e.ngram_pos) for e in batch),
+            sum(len(e.draft_ids) for e in batch),
+        ]
         n_d, n_n, tokens = np.array(all_sum(mx.array(local), self.group)).tolist()  # over all ranks
         if not n_d + n_n:
             return []
@@ -257,9 +265,17 @@ class Distiller:
             kl, nll = all_sum(mx.stack([kl, nll]), self.group)
             mx.eval(kl, nll, self.pair.draft.trainable_parameters(), self.opt.state)
             t1 = time.perf_counter()
-            out.append(StepStats(loss=(kl.item() + self.cfg.lam * nll.item()) / (n_d + n_n), kl=kl.item() / max(1, n_d),
-                                 nll=nll.item() / max(1, n_n), direct=n_d, ngram=n_n, tokens=tokens,
-                                 seconds=t1 - t0))
+            out.append(
+                StepStats(
+                    loss=(kl.item() + self.cfg.lam * nll.item()) / (n_d + n_n),
+                    kl=kl.item() / max(1, n_d),
+                    nll=nll.item() / max(1, n_n),
+                    direct=n_d,
+                    ngram=n_n,
+                    tokens=tokens,
+                    seconds=t1 - t0,
+                )
+            )
             t0 = t1
         return out
 

@@ -17,9 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_map
 
 

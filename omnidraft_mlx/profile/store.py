@@ -34,17 +34,17 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.profile.learned import Part, deferred_interrupt
 from omnidraft_mlx.vocab.ngram import NGramCache
 
@@ -140,8 +140,15 @@ class Profile:
         self.attach(HISTORY, history, ".json", HistoryIndex.load)
         return history
 
-    def save(self, model=None, optimizer=None, distill: dict | None = None, corpus: str | None = None,
-             position: int | None = None, record: dict | None = None) -> None:
+    def save(
+        self,
+        model=None,
+        optimizer=None,
+        distill: dict | None = None,
+        corpus: str | None = None,
+        position: int | None = None,
+        record: dict | None = None,
+    ) -> None:
         """Save every part; with `model`, one more drafter update too (its trainable
         weights, optimizer state, settings, corpus position and history record).
         Builds on whatever another process saved meanwhile (module docstring)."""
@@ -164,9 +171,16 @@ class Profile:
                 part.obj.merge(_read_part(self.path / saved, part.read))
         version = max(disk.get("version", 0), disk.get("updates", 0)) + 1  # above older profiles' adapter-{update}
         files = dict(disk.get("files", {}))
-        manifest = {**disk, "format": FORMAT, "draft": self.draft, "target": self.target, "version": version,
-                    "draft_id": model_identity(self.draft), "target_id": model_identity(self.target),
-                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        manifest = {
+            **disk,
+            "format": FORMAT,
+            "draft": self.draft,
+            "target": self.target,
+            "version": version,
+            "draft_id": model_identity(self.draft),
+            "target_id": model_identity(self.target),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
         written = []
 
         def write(kind: str, suffix: str, save: Callable[[Path], None]) -> None:
@@ -180,13 +194,17 @@ class Profile:
             if model is not None:
                 n = disk.get("updates", 0) + 1
                 if (theirs := n - 1 - self.updates) > 0:
-                    self.note(f"another process saved {theirs} drafter update(s) to {self.path} since this one "
-                              f"loaded it: this one's adapter, trained without them, is now the newest (update {n}); "
-                              "both are counted and their n-grams, head labels and history are kept")
+                    self.note(
+                        f"another process saved {theirs} drafter update(s) to {self.path} since this one "
+                        f"loaded it: this one's adapter, trained without them, is now the newest (update {n}); "
+                        "both are counted and their n-grams, head labels and history are kept"
+                    )
                 write("adapter", ".safetensors", partial(_save_arrays, arrays=trainable_weights(model)))
                 files.pop("optimizer", None)  # another adapter's state, if any, must not go with this one
                 if optimizer is not None:
-                    write("optimizer", ".safetensors", partial(_save_arrays, arrays=dict(tree_flatten(optimizer.state))))
+                    write(
+                        "optimizer", ".safetensors", partial(_save_arrays, arrays=dict(tree_flatten(optimizer.state)))
+                    )
                 manifest["updates"] = n
                 if distill is not None:
                     manifest["distill"] = distill
@@ -291,8 +309,9 @@ def _remove_unnamed(path: Path, files: dict) -> None:
     named = set(files.values())
     for f in path.iterdir():
         stem = f.name.split(".")[0]
-        if f.name not in named and (VERSIONED.fullmatch(f.name) or stem in files
-                                    or (f.name.startswith(".") and ".tmp" in f.name)):
+        if f.name not in named and (
+            VERSIONED.fullmatch(f.name) or stem in files or (f.name.startswith(".") and ".tmp" in f.name)
+        ):
             f.unlink(missing_ok=True)
 
 
@@ -324,7 +343,9 @@ def _read_manifest(path: Path) -> dict:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
-        raise OmniDraftError(f"the profile manifest in {path} is unreadable ({e}): run `omnidraft profile reset`") from e
+        raise OmniDraftError(
+            f"the profile manifest in {path} is unreadable ({e}): run `omnidraft profile reset`"
+        ) from e
 
 
 def check_profile(manifest: dict, path: Path, draft: str, target: str) -> None:
@@ -342,8 +363,9 @@ def check_profile(manifest: dict, path: Path, draft: str, target: str) -> None:
             )
 
 
-def load_profile(draft_name: str, target_name: str, draft_model=None, trainable: bool = False,
-                 path: Path | None = None) -> Profile:
+def load_profile(
+    draft_name: str, target_name: str, draft_model=None, trainable: bool = False, path: Path | None = None
+) -> Profile:
     """The pair's profile (from `path` instead of the default place where given);
     its adapter is applied to draft_model when given.
 
@@ -368,9 +390,7 @@ def load_profile(draft_name: str, target_name: str, draft_model=None, trainable:
         setup_trainable(draft_model, DistillConfig.from_dict(profile.distill))
         expected = {k: v.shape for k, v in trainable_weights(draft_model).items()}
         if expected != {k: v.shape for k, v in weights.items()}:
-            raise OmniDraftError(
-                f"the adapter in {path} does not fit this drafter: run `omnidraft profile reset`"
-            )
+            raise OmniDraftError(f"the adapter in {path} does not fit this drafter: run `omnidraft profile reset`")
         draft_model.load_weights(list(weights.items()), strict=False)
         if not trainable:
             fuse_lora(draft_model)

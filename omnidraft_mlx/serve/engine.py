@@ -20,11 +20,11 @@ from __future__ import annotations
 import logging
 import queue
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.serve.request import Decoder, Job, Running
 from omnidraft_mlx.serve.learning import Learning
+from omnidraft_mlx.serve.request import Decoder, Job, Running
 from omnidraft_mlx.serve.schema import ApiError
 
 log = logging.getLogger("omnidraft.serve")
@@ -64,12 +64,12 @@ class Engine:
 
     def load(self) -> None:
         from omnidraft_mlx.chat import make_learner
-        from omnidraft_mlx.loading import load_model
-        from omnidraft_mlx.pair import context_length, make_pair
         from omnidraft_mlx.decode.policy import make_policy
-        from omnidraft_mlx.profile.store import load_profile
         from omnidraft_mlx.decode.promptcache import PromptCache
         from omnidraft_mlx.decode.scheduler import Scheduler
+        from omnidraft_mlx.loading import load_model
+        from omnidraft_mlx.pair import context_length, make_pair
+        from omnidraft_mlx.profile.store import load_profile
 
         cfg = self.cfg
         draft_model, draft_tok = load_model(cfg.draft)
@@ -124,8 +124,10 @@ class Engine:
         held = sum(r.nbytes for r in self.active)
         tokens = sum(len(r.decoding.target.tokens) for r in self.active)
         per_token = held / tokens if tokens else 0.0
-        return per_token * (sum(r.length for r in self.active) + len(job.target_ids) + job.spec.max_tokens) \
+        return (
+            per_token * (sum(r.length for r in self.active) + len(job.target_ids) + job.spec.max_tokens)
             <= self.cfg.cache_bytes
+        )
 
     def _admit(self, job: Job) -> None:
         """Prefill a queued job and make it active (a cancelled one is dropped)."""
@@ -192,5 +194,7 @@ class Engine:
             job.emit("error", ApiError(400, str(error)))
             return
         log.error("generation failed:\n%s", "".join(traceback.format_exception(error)))
-        job.emit("error", ApiError(500, f"internal error ({type(error).__name__}): see the server's log",
-                                   kind="server_error"))
+        job.emit(
+            "error",
+            ApiError(500, f"internal error ({type(error).__name__}): see the server's log", kind="server_error"),
+        )

@@ -45,8 +45,9 @@ class Learning:
         self.dirty = True
         if reply and self.learner is not None:
             tail = self.learner.cfg.max_len // 4
-            self.learner.add(make_example(self.pair, draft_ids[-tail:], target_ids[-tail:], reply,
-                                          self.learner.cfg.max_len))
+            self.learner.add(
+                make_example(self.pair, draft_ids[-tail:], target_ids[-tail:], reply, self.learner.cfg.max_len)
+            )
 
     def idle(self) -> None:
         """Between requests: a due drafter update, then save the n-grams and the acceptance head."""

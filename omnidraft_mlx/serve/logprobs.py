@@ -9,7 +9,7 @@ and, if asked, the target's `top` likeliest tokens at that position.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -28,8 +28,10 @@ def token_logprobs(rows: mx.array, ids: list[int], top: int, token_bytes: Callab
         best = mx.argpartition(-logprobs, top - 1, axis=-1)[:, :top]
         values = mx.take_along_axis(logprobs, best, axis=-1)
         alternatives = [sorted(zip(v, b), reverse=True) for v, b in zip(values.tolist(), best.tolist())]
-    return [{**entry(t, lp, token_bytes), "top_logprobs": [entry(b, v, token_bytes) for v, b in alt]}
-            for t, lp, alt in zip(ids, chosen, alternatives)]
+    return [
+        {**entry(t, lp, token_bytes), "top_logprobs": [entry(b, v, token_bytes) for v, b in alt]}
+        for t, lp, alt in zip(ids, chosen, alternatives)
+    ]
 
 
 def entry(token: int, logprob: float, token_bytes: Callable[[int], bytes]) -> dict:

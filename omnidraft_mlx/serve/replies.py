@@ -69,8 +69,10 @@ async def complete(request: Request, job: Job, head: dict, chat: bool):
             continue
         reply = "".join(got["text"])
         choice = {"index": 0, "message": message(reply, got["tool_calls"])} if chat else {"index": 0, "text": reply}
-        choice.update(finish_reason=finish_reason(payload),
-                      logprobs={"content": got["logprobs"]} if job.logprobs is not None else None)
+        choice.update(
+            finish_reason=finish_reason(payload),
+            logprobs={"content": got["logprobs"]} if job.logprobs is not None else None,
+        )
         obj = "chat.completion" if chat else "text_completion"
         return {**head, "object": obj, "choices": [choice], "usage": usage(payload)}
 
@@ -98,8 +100,9 @@ async def stream(job: Job, head: dict, chat: bool, include_usage: bool):
 
     try:
         if chat:
-            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                         "logprobs": None})
+            yield chunk(
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+            )
         while True:
             try:
                 kind, payload = await asyncio.wait_for(job.events.get(), timeout=WAITING_S)

@@ -76,35 +76,60 @@ class Decoder:
         longest = max(len(draft_ids), len(target_ids))
         room = self.limit - longest - cfg.policy.k - 1 if self.limit else None
         if room is not None and room < 1:
-            raise ApiError(400, f"the prompt is {longest} tokens and this model's context is {self.limit} tokens: "
-                                "shorten the prompt", "messages" if not raw else "prompt", "context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt is {longest} tokens and this model's context is {self.limit} tokens: shorten the prompt",
+                "messages" if not raw else "prompt",
+                "context_length_exceeded",
+            )
         max_tokens = req.max_completion_tokens or req.max_tokens or cfg.max_tokens
         seed = req.seed if req.seed is not None else (secrets.randbits(31) if req.temperature > 0 else 0)
-        spec = SpecConfig(k=cfg.policy.k, temp=req.temperature, top_p=req.top_p, seed=seed,
-                          max_tokens=min(max_tokens, room) if room is not None else max_tokens,
-                          sources=cfg.sources, guard=cfg.guard, tree=cfg.tree)
+        spec = SpecConfig(
+            k=cfg.policy.k,
+            temp=req.temperature,
+            top_p=req.top_p,
+            seed=seed,
+            max_tokens=min(max_tokens, room) if room is not None else max_tokens,
+            sources=cfg.sources,
+            guard=cfg.guard,
+            tree=cfg.tree,
+        )
         logprobs = (req.top_logprobs or 0) if chat and req.logprobs else None
         return Job(draft_ids, target_ids, spec, stop_strings(req), loop, asyncio.Queue(), tools, logprobs)
 
-    def start(self, job: Job, scheduler) -> "Running":
+    def start(self, job: Job, scheduler) -> Running:
         """The job's decoding, prefilled on the prompt cache, its rounds to come (Running.take)."""
         from omnidraft_mlx.decode.speculative import SpecStats
 
         stats, use, rows = SpecStats(), CacheUse(), []
         reply = ReplyText(self.pair.vmap.target_bytes, job.stops, job.tools, job.emit)
         start = time.perf_counter()
-        decoding = self.prompt_cache.start(self.pair, job.draft_ids, job.target_ids, job.spec, stats, self.policy, use,
-                                           history=self.history, scheduler=scheduler,
-                                           on_logits=rows.append if job.logprobs is not None else None)
+        decoding = self.prompt_cache.start(
+            self.pair,
+            job.draft_ids,
+            job.target_ids,
+            job.spec,
+            stats,
+            self.policy,
+            use,
+            history=self.history,
+            scheduler=scheduler,
+            on_logits=rows.append if job.logprobs is not None else None,
+        )
         return Running(job, decoding, stats, use, reply, rows, start)
 
-    def finish(self, running: "Running", intact: bool = True) -> tuple[Result, list[int]]:
+    def finish(self, running: Running, intact: bool = True) -> tuple[Result, list[int]]:
         """Give the running job's caches back to the prompt cache; (its result, the reply's target ids)."""
         self.prompt_cache.finish(running.decoding, intact)
         finish = running.finish or "cancelled"
         stats, ids = running.stats, running.ids
-        result = Result(finish, len(running.job.target_ids), len(ids), running.use.target_tokens,
-                        self.report(stats, running.use, running.ttft))
+        result = Result(
+            finish,
+            len(running.job.target_ids),
+            len(ids),
+            running.use.target_tokens,
+            self.report(stats, running.use, running.ttft),
+        )
         return result, ids
 
     def token_bytes(self, token: int) -> bytes:

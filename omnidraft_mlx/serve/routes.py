@@ -22,8 +22,15 @@ from starlette.exceptions import HTTPException
 
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.serve.replies import complete, error_response, stream
-from omnidraft_mlx.serve.schema import (ApiError, ChatRequest, CompletionRequest, Sampling, chat_messages,
-                                        completion_prompt, parse)
+from omnidraft_mlx.serve.schema import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Sampling,
+    chat_messages,
+    completion_prompt,
+    parse,
+)
 
 log = logging.getLogger("omnidraft.serve")
 
@@ -38,9 +45,14 @@ class RequireKey:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             sent = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(sent, self.expected):
-                response = error_response(ApiError(401, "missing or wrong API key: send the header "
-                                                        "'Authorization: Bearer KEY' with the server's --api-key",
-                                                   code="invalid_api_key"))
+                response = error_response(
+                    ApiError(
+                        401,
+                        "missing or wrong API key: send the header "
+                        "'Authorization: Bearer KEY' with the server's --api-key",
+                        code="invalid_api_key",
+                    )
+                )
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -63,20 +75,28 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(request, e: Exception):
         log.error("request failed:\n%s", traceback.format_exc())
-        return error_response(ApiError(500, f"internal error ({type(e).__name__}): see the server's log",
-                                       kind="server_error"))
+        return error_response(
+            ApiError(500, f"internal error ({type(e).__name__}): see the server's log", kind="server_error")
+        )
 
 
 async def respond(engine, request: Request, req: Sampling, messages: list[dict], raw: bool, chat: bool):
     """Queue the request's job; its reply, streamed or whole."""
     target = engine.cfg.target
     if req.model is not None and req.model != target:
-        raise ApiError(404, f"the model '{req.model}' does not exist here: this server serves "
-                            f"'{target}' (GET /v1/models)", "model", "model_not_found")
+        raise ApiError(
+            404,
+            f"the model '{req.model}' does not exist here: this server serves '{target}' (GET /v1/models)",
+            "model",
+            "model_not_found",
+        )
     job = await run_in_threadpool(engine.decoder.prepare, messages, raw, req, asyncio.get_running_loop())
     engine.submit(job)
-    head = {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), "created": int(time.time()),
-            "model": target}
+    head = {
+        "id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
+        "created": int(time.time()),
+        "model": target,
+    }
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(stream(job, head, chat, include_usage), media_type="text/event-stream")
@@ -92,15 +112,28 @@ def make_app(engine) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": cfg.target, "draft": cfg.draft, "generating": engine.generating,
-                "most_active": engine.most_active, "batch": cfg.batch, "queued": engine.queued, "served": engine.served, "cancelled": engine.cancelled,
-                "failed": engine.failed, "profile_saves": engine.learning.saves, "ngrams": len(engine.pair.ngrams),
-                "prompt_cache_bytes": engine.decoder.prompt_cache.nbytes}
+        return {
+            "status": "ok",
+            "model": cfg.target,
+            "draft": cfg.draft,
+            "generating": engine.generating,
+            "most_active": engine.most_active,
+            "batch": cfg.batch,
+            "queued": engine.queued,
+            "served": engine.served,
+            "cancelled": engine.cancelled,
+            "failed": engine.failed,
+            "profile_saves": engine.learning.saves,
+            "ngrams": len(engine.pair.ngrams),
+            "prompt_cache_bytes": engine.decoder.prompt_cache.nbytes,
+        }
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": cfg.target, "object": "model", "created": 0,
-                                            "owned_by": "omnidraft", "draft": cfg.draft}]}
+        return {
+            "object": "list",
+            "data": [{"id": cfg.target, "object": "model", "created": 0, "owned_by": "omnidraft", "draft": cfg.draft}],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -110,7 +143,8 @@ def make_app(engine) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
-        return await respond(engine, request, req, [{"role": "user", "content": completion_prompt(req)}],
-                             raw=True, chat=False)
+        return await respond(
+            engine, request, req, [{"role": "user", "content": completion_prompt(req)}], raw=True, chat=False
+        )
 
     return app

@@ -17,8 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 class ApiError(Exception):
     """An error the client gets as {"error": {...}} with an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -105,8 +111,9 @@ class Sampling(BaseModel):
         """A 400 for a field that would change the answer and is not at its default (never ignored)."""
         for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
             if getattr(self, name):
-                raise ApiError(400, f"{name}: not supported (the reply is the target's own distribution); "
-                                    "leave it out", name)
+                raise ApiError(
+                    400, f"{name}: not supported (the reply is the target's own distribution); leave it out", name
+                )
 
 
 class ChatRequest(Sampling):
@@ -121,9 +128,12 @@ class ChatRequest(Sampling):
         """What a valid body may still ask that this server cannot give."""
         self.unsupported()
         if self.response_format and self.response_format.type != "text":
-            raise ApiError(400, f"response_format: '{self.response_format.type}' is not supported (this server "
-                                "does not constrain replies to JSON): leave it out or give {'type': 'text'}",
-                           "response_format")
+            raise ApiError(
+                400,
+                f"response_format: '{self.response_format.type}' is not supported (this server "
+                "does not constrain replies to JSON): leave it out or give {'type': 'text'}",
+                "response_format",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
 
@@ -135,8 +145,9 @@ class CompletionRequest(Sampling):
     def check(self) -> None:
         self.unsupported()
         if self.logprobs is not None:
-            raise ApiError(400, "logprobs: not supported on /v1/completions; /v1/chat/completions gives them",
-                           "logprobs")
+            raise ApiError(
+                400, "logprobs: not supported on /v1/completions; /v1/chat/completions gives them", "logprobs"
+            )
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
@@ -146,11 +157,17 @@ def chat_messages(req: ChatRequest) -> list[dict]:
         text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
         msg = {"role": "system" if m.role == "developer" else m.role, "content": text}
         if m.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name,
-                                               "arguments": arguments(c.function.arguments,
-                                                                      f"messages.{i}.tool_calls.{j}")}}
-                                 for j, c in enumerate(m.tool_calls)]
+            msg["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": arguments(c.function.arguments, f"messages.{i}.tool_calls.{j}"),
+                    },
+                }
+                for j, c in enumerate(m.tool_calls)
+            ]
         msg.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v is not None})
         out.append(msg)
     return out

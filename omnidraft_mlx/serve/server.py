@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass, field
 
 from omnidraft_mlx.decode.drafts import SOURCES, check_sources
-from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.decode.policy import PolicyConfig
 from omnidraft_mlx.decode.promptcache import DEFAULT_CACHE_BYTES
+from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.serve.engine import Engine
 from omnidraft_mlx.serve.routes import make_app
 from omnidraft_mlx.settings import check_range
@@ -66,8 +66,9 @@ def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8080, on_ready=
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     engine = Engine(cfg)
     engine.load()
-    http = uvicorn.Server(uvicorn.Config(make_app(engine), host=host, port=port, log_level="warning",
-                                         timeout_graceful_shutdown=5))
+    http = uvicorn.Server(
+        uvicorn.Config(make_app(engine), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    )
     web = threading.Thread(target=http.run, name="omnidraft-http", daemon=True)
     web.start()
     while not http.started:  # uvicorn says why when it cannot listen, and its thread ends

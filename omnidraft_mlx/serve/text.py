@@ -75,12 +75,12 @@ class ToolSplit:
                     self.pending = self.pending[cut:]
                     break
                 events.append(("text", self.pending[:i]))
-                self.pending, self.inside = self.pending[i + len(start):], True
+                self.pending, self.inside = self.pending[i + len(start) :], True
             else:
                 j = self.pending.find(end)
                 if j < 0:
                     break
-                body, self.pending, self.inside = self.pending[:j], self.pending[j + len(end):], False
+                body, self.pending, self.inside = self.pending[:j], self.pending[j + len(end) :], False
                 calls = parse_calls(self.fmt, body)
                 events.append(("tool_calls", calls) if calls else ("text", start + body + end))
         return [e for e in events if e[1]]

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from jinja2 import TemplateError
 
@@ -65,8 +65,12 @@ def plan_tools(req: ChatRequest, tokenizer) -> ToolPlan:
     if choice == "auto":
         return auto_plan(tools, tokenizer)
     if not getattr(tokenizer, "has_tool_calling", False):
-        raise ApiError(400, "tool_choice: this model has no tool-call format known to mlx-lm, so a call "
-                            "cannot be required of it: leave tool_choice out", "tool_choice")
+        raise ApiError(
+            400,
+            "tool_choice: this model has no tool-call format known to mlx-lm, so a call "
+            "cannot be required of it: leave tool_choice out",
+            "tool_choice",
+        )
     fmt = ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools)
     return ToolPlan(tools, fmt, opening(fmt, None if choice == "required" else tools[0]))
 
@@ -75,8 +79,9 @@ def auto_plan(tools: list[dict], tokenizer) -> ToolPlan:
     """tool_choice "auto": calls in the target's own format (if mlx-lm knows it) or bare JSON calls."""
     if not getattr(tokenizer, "has_tool_calling", False):
         return ToolPlan(tools, bare=True)  # the template may still show them; JSON calls are all it can find
-    return ToolPlan(tools, ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser,
-                                      tools), bare=True)
+    return ToolPlan(
+        tools, ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools), bare=True
+    )
 
 
 def opening(fmt: ToolFormat, tool: dict | None) -> str:
@@ -126,8 +131,11 @@ def parse_calls(fmt: ToolFormat, text: str) -> list[dict] | None:
 
 
 def openai_call(name: str, arguments: str) -> dict:
-    return {"id": "call_" + secrets.token_hex(12), "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": "call_" + secrets.token_hex(12),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 FENCE = "```"
@@ -156,7 +164,7 @@ def json_reply(text: str) -> tuple[bool, str | None, str] | None:
     if fenced:
         if not s.startswith(FENCE):
             return (True, None, "") if FENCE.startswith(s) else None
-        head, newline, s = s[len(FENCE):].partition("\n")
+        head, newline, s = s[len(FENCE) :].partition("\n")
         kind = head.strip().lower()
         if not (kind in ("", "json") if newline else "json".startswith(kind)):
             return None

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnidraft_mlx.vocab.translate import complete_utf8
 from omnidraft_mlx.vocab.tokenmap import VocabMap
+from omnidraft_mlx.vocab.translate import complete_utf8
 
 
 @dataclass

@@ -67,9 +67,7 @@ class NGramCache:
     def is_open_prefix(self, draft_ids: list[int], start: int) -> bool:
         """Whether draft_ids[start:] is a strict prefix of some cached n-gram."""
         tail = tuple(draft_ids[start:])
-        return any(
-            len(g) > len(tail) and g[: len(tail)] == tail for g in self.by_first.get(tail[0], ())
-        )
+        return any(len(g) > len(tail) and g[: len(tail)] == tail for g in self.by_first.get(tail[0], ()))
 
     def record_use(self, gram: tuple[int, ...]) -> None:
         with deferred_interrupt():
@@ -77,7 +75,7 @@ class NGramCache:
             self.used[gram] += 1
             self.hits += 1
 
-    def merge(self, other: "NGramCache") -> None:
+    def merge(self, other: NGramCache) -> None:
         """Become `other` (this cache as another process saved it) plus what this one
         learned since it was loaded or saved: its new entries, and its lookups added
         to the saved counts; least used entries go past the capacity."""
@@ -99,7 +97,7 @@ class NGramCache:
         self.fresh, self.used = set(), Counter()
 
     @classmethod
-    def load(cls, path: str | Path) -> "NGramCache":
+    def load(cls, path: str | Path) -> NGramCache:
         data = json.loads(Path(path).read_text())
         cache = cls(data["capacity"])
         for gram, target_id, uses in data["entries"]:

@@ -36,9 +36,7 @@ def _hf_tokenizer(tokenizer):
 
 def _is_byte_level(hf_tok) -> bool:
     spec = json.loads(hf_tok.backend_tokenizer.to_str())
-    return "ByteLevel" in json.dumps(spec.get("decoder")) or "ByteLevel" in json.dumps(
-        spec.get("pre_tokenizer")
-    )
+    return "ByteLevel" in json.dumps(spec.get("decoder")) or "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
 
 
 def token_bytes(tokenizer, size: int | None = None) -> list[bytes | None]:
