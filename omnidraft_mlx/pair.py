@@ -6,17 +6,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from omnidraft_mlx.anatomy import context_length, vocab_size  # noqa: F401 - imported from here by callers
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.vocab.ngram import NGramCache
 from omnidraft_mlx.vocab.tokenmap import VocabMap, build_vocab_map
-
-
-def vocab_size(model) -> int:
-    return int(model.args.vocab_size)
-
-
-def context_length(model) -> int | None:
-    return getattr(model.args, "max_position_embeddings", None)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from omnidraft_mlx.anatomy import output_head
 from omnidraft_mlx.decode.drafts import Context, Draft, DraftSource
 from omnidraft_mlx.decode.kvcache import KVSlot
 from omnidraft_mlx.decode.policy import DraftPolicy
@@ -27,12 +28,6 @@ from omnidraft_mlx.vocab.align import as_draft_tokens, byte_ends, common_prefix,
 from omnidraft_mlx.vocab.translate import complete_utf8, translate_text, translate_tokens
 
 BRANCHES = 3  # next-best drafter tokens per drafted position offered as branches (trees)
-
-
-def output_head(model):
-    """The model's hidden -> logits projection (tied embeddings or lm_head)."""
-    head = getattr(model, "lm_head", None)
-    return head if head is not None else model.model.embed_tokens.as_linear
 
 
 def softmax(logits: mx.array, temp: float) -> np.ndarray:

@@ -13,6 +13,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from omnidraft_mlx.anatomy import hidden_states
+from omnidraft_mlx.decode.recurrent import StepsCache, layers, steps_caches
 from omnidraft_mlx.decode.tree import TokenTree, keep_path, tree_forward
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.vocab.align import common_prefix
@@ -46,15 +48,26 @@ def _rollbackable(c):
 
 def make_cache(model) -> list:
     """A fresh per-layer cache for `model` that rolls back: the model's own,
-    with sliding-window layers kept whole (WindowedKVCache)."""
-    return [_rollbackable(c) for c in make_prompt_cache(model)]
+    with sliding-window layers kept whole (WindowedKVCache) and recurrent layers
+    keeping their recent states (recurrent.StepsCache)."""
+    return [_rollbackable(c) for c in steps_caches(make_prompt_cache(model), model)]
+
+
+def _can_trim(c, n: int) -> bool:
+    return all(s.can_trim(n) if isinstance(s, StepsCache) else s.is_trimmable() for s in layers(c))
+
+
+def is_recurrent(cache: list) -> bool:
+    return any(isinstance(s, StepsCache) for c in cache for s in layers(c))
 
 
 def trim_cache(cache: list, n: int) -> None:
     """Remove the last n positions from every layer, or fail loudly."""
     if n <= 0:
         return
-    stuck = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
+    stuck = sorted({type(s).__name__ for c in cache for s in layers(c) if not _can_trim(s, n)})
+    if "StepsCache" in stuck:
+        raise OmniDraftError(f"a recurrent layer's state cannot go back {n} positions (it keeps its recent ones only)")
     if stuck:
         raise OmniDraftError(
             f"this model's {'/'.join(stuck)} layers cannot roll back rejected draft tokens "
@@ -71,7 +84,7 @@ def prefill(model, cache: list, ids: list[int], rows: int = 0) -> mx.array | Non
     or (rows > 0, at most a chunk) of each of the last `rows` positions."""
     hidden = None
     for start in range(0, len(ids), PREFILL_CHUNK):
-        hidden = model.model(mx.array(ids[start : start + PREFILL_CHUNK])[None], cache=cache)[0]
+        hidden = hidden_states(model, mx.array(ids[start : start + PREFILL_CHUNK])[None], cache)[0]
         hidden = hidden[-rows:] if rows else hidden[-1]
         mx.eval(hidden)
     return hidden
@@ -92,7 +105,14 @@ class KVSlot:
         return common_prefix(self.tokens, ids)
 
     def rewind(self, n: int) -> None:
-        """Keep the first n tokens."""
+        """Keep the first n tokens; a recurrent state that cannot go back that far starts
+        afresh (no tokens: the callers feed what is missing)."""
+        back = len(self.tokens) - n
+        if back > 0 and is_recurrent(self.cache) and not all(_can_trim(c, back) for c in self.cache):
+            for s in (s for c in self.cache for s in layers(c)):
+                s.reset() if isinstance(s, StepsCache) else s.trim(s.offset)
+            self.tokens.clear()
+            return
         trim_cache(self.cache, len(self.tokens) - n)
         del self.tokens[n:]
 
@@ -103,6 +123,8 @@ class KVSlot:
 
     def verify(self, model, root: int, tree: TokenTree) -> mx.array:
         """The model's logits after the root and after each of the tree's nodes (one forward)."""
+        if not tree.is_chain and is_recurrent(self.cache):
+            raise OmniDraftError("a model with recurrent layers verifies chains only, not token trees")
         out = tree_forward(model, self.cache, root, tree)
         self.tokens += [root, *tree.tokens]
         return out
