@@ -15,9 +15,10 @@ import json
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from omnidraft_mlx.serve.request import Job, Result
-from omnidraft_mlx.serve.schema import ApiError
+from omnidraft_mlx.serve.schema import ApiError, Sampling
 
 WAITING_S = 5.0  # a queued streaming request gets an SSE comment this often (and notices a disconnect)
 
@@ -40,8 +41,10 @@ def finish_reason(result: Result) -> str:
     return "stop" if result.finish_reason == "cancelled" else result.finish_reason
 
 
-def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def sse(obj: dict, event: str | None = None) -> str:
+    """A server-sent event; named (`event:`) as the Responses and Messages APIs name theirs."""
+    named = f"event: {event}\n" if event else ""
+    return f"{named}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def message(text: str, calls: list[dict]) -> dict:
@@ -51,8 +54,25 @@ def message(text: str, calls: list[dict]) -> dict:
     return {"role": "assistant", "content": text if text.strip() else None, "tool_calls": calls}
 
 
-async def complete(request: Request, job: Job, head: dict, chat: bool):
-    """The whole reply as one body, once the job is done."""
+async def submit(engine, req: Sampling, messages: list[dict], raw: bool) -> Job:
+    """The one way into the engine, whatever the API: the model checked, the request encoded (in a
+    worker thread) and its job queued."""
+    target = engine.cfg.target
+    if req.model is not None and req.model != target:
+        raise ApiError(
+            404,
+            f"the model '{req.model}' does not exist here: this server serves '{target}' (GET /v1/models)",
+            "model",
+            "model_not_found",
+        )
+    job = await run_in_threadpool(engine.decoder.prepare, messages, raw, req, asyncio.get_running_loop())
+    engine.submit(job)
+    return job
+
+
+async def gather(request: Request, job: Job) -> tuple[dict, Result] | None:
+    """The job's events once it is done: ({"text", "tool_calls", "logprobs": [...]}, its Result); an
+    error event raises its ApiError; None when the client went away (its job cancelled)."""
     got = {"text": [], "tool_calls": [], "logprobs": []}
     while True:
         try:
@@ -60,21 +80,53 @@ async def complete(request: Request, job: Job, head: dict, chat: bool):
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 job.cancelled.set()
-                return JSONResponse({}, status_code=499)  # nobody reads it
+                return None
             continue
         if kind == "error":
-            return error_response(payload)
-        if kind != "done":
-            got[kind] += [payload] if kind == "text" else payload
-            continue
-        reply = "".join(got["text"])
-        choice = {"index": 0, "message": message(reply, got["tool_calls"])} if chat else {"index": 0, "text": reply}
-        choice.update(
-            finish_reason=finish_reason(payload),
-            logprobs={"content": got["logprobs"]} if job.logprobs is not None else None,
-        )
-        obj = "chat.completion" if chat else "text_completion"
-        return {**head, "object": obj, "choices": [choice], "usage": usage(payload)}
+            raise payload
+        if kind == "done":
+            return got, payload
+        got[kind] += [payload] if kind == "text" else payload
+
+
+def gone() -> JSONResponse:
+    """The reply of a client that went away: nobody reads it."""
+    return JSONResponse({}, status_code=499)
+
+
+async def complete(request: Request, job: Job, head: dict, chat: bool):
+    """The whole reply as one body, once the job is done."""
+    if (done := await gather(request, job)) is None:
+        return gone()
+    got, result = done
+    reply = "".join(got["text"])
+    choice = {"index": 0, "message": message(reply, got["tool_calls"])} if chat else {"index": 0, "text": reply}
+    choice.update(
+        finish_reason=finish_reason(result),
+        logprobs={"content": got["logprobs"]} if job.logprobs is not None else None,
+    )
+    obj = "chat.completion" if chat else "text_completion"
+    return {**head, "object": obj, "choices": [choice], "usage": usage(result)}
+
+
+async def events(job: Job):
+    """A streamed reply's job events, (kind, payload): ("start", None) for its opening, then the job's
+    up to its "done" or "error", and ("waiting", None) every few seconds while there is none (a
+    queued request), for a keep-alive. The job is cancelled when the stream ends, also when the
+    client went away."""
+    try:
+        yield "start", None
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(job.events.get(), timeout=WAITING_S)
+            except asyncio.TimeoutError:
+                yield "waiting", None
+                continue
+            yield kind, payload
+            if kind in ("done", "error"):
+                return
+    finally:
+        job.cancelled.set()
 
 
 def chunk_choice(kind: str, payload, chat: bool, calls_sent: int) -> dict:
@@ -98,29 +150,22 @@ async def stream(job: Job, head: dict, chat: bool, include_usage: bool):
     def chunk(choice: dict) -> str:
         return sse({**head, "object": obj, "choices": [choice]})
 
-    try:
-        if chat:
-            yield chunk(
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
-            )
-        while True:
-            try:
-                kind, payload = await asyncio.wait_for(job.events.get(), timeout=WAITING_S)
-            except asyncio.TimeoutError:
-                yield ": waiting\n\n"  # keeps the connection alive while queued
-                continue
-            if kind == "error":
-                yield sse(payload.body())
-                break
-            if kind != "done":
-                yield chunk(chunk_choice(kind, payload, chat, calls_sent))
-                calls_sent += len(payload) if kind == "tool_calls" else 0
-                continue
+    async for kind, payload in events(job):
+        if kind == "start":
+            if chat:
+                yield chunk(
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+                )
+        elif kind == "waiting":
+            yield ": waiting\n\n"  # keeps the connection alive while queued
+        elif kind == "error":
+            yield sse(payload.body())
+        elif kind != "done":
+            yield chunk(chunk_choice(kind, payload, chat, calls_sent))
+            calls_sent += len(payload) if kind == "tool_calls" else 0
+        else:
             last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
             yield chunk({**last, "finish_reason": finish_reason(payload), "logprobs": None})
             if include_usage:
                 yield sse({**head, "object": obj, "choices": [], "usage": usage(payload)})
-            break
-        yield "data: [DONE]\n\n"
-    finally:  # also when the client went away: stop the generation
-        job.cancelled.set()
+    yield "data: [DONE]\n\n"

@@ -52,6 +52,7 @@ class Result:
     completion_tokens: int
     cached_tokens: int
     speculative: dict
+    stop: str | None = None  # the stop string that ended the reply, if one did
 
 
 @dataclass
@@ -129,6 +130,7 @@ class Decoder:
             len(ids),
             running.use.target_tokens,
             self.report(stats, running.use, running.ttft),
+            running.reply.stop.reached,
         )
         return result, ids
 

@@ -1,6 +1,7 @@
 """The HTTP side of `omnidraft serve`: the FastAPI app, its routes, errors and API key.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health; the Responses
+API (responses.py) and Anthropic's Messages API (messages.py) translate to the chat route's request.
 A request is parsed and encoded here (in a worker thread), queued on the
 engine, and answered from its job's events (serve_replies.py). Every error
 reaches the client as an OpenAI error body; nothing here stops the server.
@@ -8,7 +9,6 @@ reaches the client as an OpenAI error body; nothing here stops the server.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import time
@@ -16,12 +16,12 @@ import traceback
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.serve.replies import complete, error_response, stream
+from omnidraft_mlx.serve import messages, responses
+from omnidraft_mlx.serve.replies import complete, error_response, stream, submit
 from omnidraft_mlx.serve.schema import (
     ApiError,
     ChatRequest,
@@ -35,23 +35,31 @@ from omnidraft_mlx.serve.schema import (
 log = logging.getLogger("omnidraft.serve")
 
 
+def error_reply(path: str, e: ApiError):
+    """The error in the shape of the API the path belongs to: Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    return messages.error_response(e) if path.startswith("/v1/messages") else error_response(e)
+
+
 class RequireKey:
-    """ASGI middleware: /v1/ requests need 'Authorization: Bearer KEY' (/health stays open)."""
+    """ASGI middleware: /v1/ requests need 'Authorization: Bearer KEY', or 'x-api-key: KEY' as
+    Anthropic's clients send it (/health stays open)."""
 
     def __init__(self, app, key: str):
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            sent = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(sent, self.expected):
-                response = error_response(
+            headers = Headers(scope=scope)
+            sent = (headers.get("authorization", ""), "Bearer " + headers.get("x-api-key", ""))
+            if not any(secrets.compare_digest(s.encode(), self.expected) for s in sent):
+                response = error_reply(
+                    scope["path"],
                     ApiError(
                         401,
-                        "missing or wrong API key: send the header "
-                        "'Authorization: Bearer KEY' with the server's --api-key",
+                        "missing or wrong API key: send the header 'Authorization: Bearer KEY' "
+                        "(or 'x-api-key: KEY') with the server's --api-key",
                         code="invalid_api_key",
-                    )
+                    ),
                 )
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
@@ -62,40 +70,32 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
-        return error_response(e)
+        return error_reply(request.url.path, e)
 
     @app.exception_handler(OmniDraftError)
     async def _bad_value(request, e: OmniDraftError):
-        return error_response(ApiError(400, str(e)))
+        return error_reply(request.url.path, ApiError(400, str(e)))
 
     @app.exception_handler(HTTPException)
     async def _http(request, e: HTTPException):
-        return error_response(ApiError(e.status_code, str(e.detail), code=None))
+        return error_reply(request.url.path, ApiError(e.status_code, str(e.detail), code=None))
 
     @app.exception_handler(Exception)
     async def _internal(request, e: Exception):
         log.error("request failed:\n%s", traceback.format_exc())
-        return error_response(
-            ApiError(500, f"internal error ({type(e).__name__}): see the server's log", kind="server_error")
+        return error_reply(
+            request.url.path,
+            ApiError(500, f"internal error ({type(e).__name__}): see the server's log", kind="server_error"),
         )
 
 
 async def respond(engine, request: Request, req: Sampling, messages: list[dict], raw: bool, chat: bool):
     """Queue the request's job; its reply, streamed or whole."""
-    target = engine.cfg.target
-    if req.model is not None and req.model != target:
-        raise ApiError(
-            404,
-            f"the model '{req.model}' does not exist here: this server serves '{target}' (GET /v1/models)",
-            "model",
-            "model_not_found",
-        )
-    job = await run_in_threadpool(engine.decoder.prepare, messages, raw, req, asyncio.get_running_loop())
-    engine.submit(job)
+    job = await submit(engine, req, messages, raw)
     head = {
         "id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
         "created": int(time.time()),
-        "model": target,
+        "model": engine.cfg.target,
     }
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -146,5 +146,8 @@ def make_app(engine) -> FastAPI:
         return await respond(
             engine, request, req, [{"role": "user", "content": completion_prompt(req)}], raw=True, chat=False
         )
+
+    responses.add_routes(app, engine)
+    messages.add_routes(app, engine)
 
     return app

@@ -197,7 +197,7 @@ def stop_strings(req: Sampling) -> list[str]:
     return stops
 
 
-async def parse(request: Request, kind: type[ChatRequest | CompletionRequest]):
+async def parse(request: Request, kind: type[BaseModel]):
     """The JSON body as `kind` (whatever the content type says, as mlx-lm's and llama.cpp's servers do)."""
     try:
         data = json.loads(await request.body())
@@ -205,6 +205,11 @@ async def parse(request: Request, kind: type[ChatRequest | CompletionRequest]):
         raise ApiError(400, f"the request body is not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    return validate(kind, data)
+
+
+def validate(kind: type[BaseModel], data: dict):
+    """`data` as `kind`, checked (its check()); a 400 naming the first field that is wrong."""
     try:
         req = kind.model_validate(data)
     except ValidationError as e:

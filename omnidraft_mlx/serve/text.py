@@ -25,13 +25,15 @@ class StopText:
 
     def __init__(self, stops: list[str]):
         self.stops, self.pending = stops, ""
+        self.reached: str | None = None  # the stop string that ended the text
 
     def add(self, text: str) -> tuple[str, bool]:
         """(text safe to send, whether a stop string was reached)."""
         self.pending += text
-        hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            i, self.reached = min(hits)
+            out, self.pending = self.pending[:i], ""
             return out, True
         cut = len(self.pending) - held_back(self.pending, self.stops)
         out, self.pending = self.pending[:cut], self.pending[cut:]
