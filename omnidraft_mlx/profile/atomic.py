@@ -1,4 +1,6 @@
-"""Atomic writes: a file is either the old version or the complete new one."""
+"""Atomic, durable writes: a file is either the old version or the complete new one, and once
+a write returns, the new one survives a crash or a power cut (its data and its directory entry
+are synced)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,20 @@ from pathlib import Path
 from omnidraft_mlx.errors import OmniDraftError
 
 
+def durable_replace(src: str | Path, dst: str | Path) -> None:
+    """Rename a synced file over dst, then sync the directory so the rename itself is on disk."""
+    os.replace(src, dst)
+    fsync_dir(Path(dst).parent)
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -19,7 +35,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        durable_replace(tmp, path)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
         if e.errno == errno.ENOSPC:

@@ -29,16 +29,18 @@ class Part:
 
 
 _held = 0  # depth of nested deferred_interrupt blocks in the main thread
+DEFERRED = (signal.SIGINT, signal.SIGTERM)  # `omnidraft serve` makes SIGTERM a KeyboardInterrupt too
 
 
 @contextmanager
 def deferred_interrupt() -> Iterator[None]:
-    """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block ends,
-    then deliver it, so learned state is never left half-updated. Only the main
-    thread receives signals: elsewhere, when nested, or under a handler Python did
-    not install, this does nothing."""
+    """Hold a SIGINT or SIGTERM that arrives inside the block until the block ends, then
+    deliver it, so learned state is never left half-updated (nor saved so on the way out).
+    Only the main thread receives signals: elsewhere, or when nested, this does nothing; a
+    signal without a Python handler (SIGTERM's default ends the process at once, as a kill
+    does) is left as it is."""
     global _held
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
     if _held:
@@ -49,12 +51,15 @@ def deferred_interrupt() -> Iterator[None]:
             _held -= 1
         return
     caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    previous = {sig: signal.getsignal(sig) for sig in DEFERRED if callable(signal.getsignal(sig))}
+    for sig in previous:
+        signal.signal(sig, lambda signum, frame: caught.append(signum))
     _held = 1
     try:
         yield
     finally:
         _held = 0
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if caught:
-            signal.raise_signal(signal.SIGINT)  # to the handler that was there (KeyboardInterrupt by default)
+            signal.raise_signal(caught[0])  # to the handler that was there (KeyboardInterrupt by default)
