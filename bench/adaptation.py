@@ -31,7 +31,7 @@ OUT = Path(__file__).parent / "results" / "adaptation"
 
 
 def profile_path(args) -> Path:
-    from omnidraft_mlx.models.pull import model_home
+    from omnidraft_mlx.paths import model_home
 
     return Path(args.profile) if args.profile else model_home() / "bench" / "adaptation-profile"
 
@@ -67,8 +67,9 @@ def evaluate(conditions: dict, prompts: list, k: int, max_tokens: int) -> list[d
 
 def load(name: str):
     from omnidraft_mlx.loading import load_model
+    from omnidraft_mlx.models.pull import CATALOG_RESOLVER
 
-    return load_model(name)
+    return load_model(name, CATALOG_RESOLVER)
 
 
 def phase_before(args) -> None:
@@ -87,6 +88,7 @@ def phase_adapt(args) -> None:
     from omnidraft_mlx.decode.speculative import SpecConfig
     from omnidraft_mlx.learn.adapt import Budget, batch, open_learner, stream, text
     from omnidraft_mlx.learn.distill import DistillConfig
+    from omnidraft_mlx.models.pull import CATALOG_RESOLVER
 
     cfg = DistillConfig(lam=args.lam, lr=args.lr, lora_rank=args.rank, steps=args.steps)
     # Batch mode trains the acceptance head, whatever --policy says (as `omnidraft adapt` does).
@@ -100,6 +102,7 @@ def phase_adapt(args) -> None:
         path=profile_path(args),
         note=print,
         policy=policy,
+        resolver=CATALOG_RESOLVER,
     )
     learner.corpus = "adaptation-split:" + ",".join(TASKS)
     learner.position = learner.profile.position(learner.corpus)
@@ -140,12 +143,13 @@ def phase_adapt(args) -> None:
 
 
 def phase_after(args) -> None:
+    from omnidraft_mlx.models.pull import CATALOG_RESOLVER
     from omnidraft_mlx.pair import make_pair
     from omnidraft_mlx.profile.store import load_profile
     from omnidraft_mlx.vocab.ngram import NGramCache
 
     (dm, dt), (tm, tt), (am, at) = load(args.draft), load(args.target), load(args.draft)
-    profile = load_profile(args.draft, args.target, am, path=profile_path(args))
+    profile = load_profile(args.draft, args.target, am, path=profile_path(args), resolver=CATALOG_RESOLVER)
     base, adapted = make_pair(dm, dt, tm, tt), make_pair(am, at, tm, tt)
     cache, empty = profile.ngrams, NGramCache()
     conds = {

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,8 +22,9 @@ import numpy as np
 
 from omnidraft_mlx.bench.report import prompt_speedup, record_speedup
 from omnidraft_mlx.bench.run import BenchConfig, Decoding, Method, environment_base, rotated, run_one, select_prompts
-from omnidraft_mlx.decode.kvcache import make_cache, prefill, trim_cache
+from omnidraft_mlx.decode.kvcache import make_cache, prefill
 from omnidraft_mlx.profile.atomic import atomic_write_text
+from omnidraft_mlx.timing import forward_seconds
 
 CACHED = 200
 
@@ -33,14 +33,8 @@ def step_ms(model, repeats: int = 7) -> float:
     """Median ms of a single-token forward with CACHED tokens in the KV cache."""
     cache = make_cache(model)
     prefill(model, cache, [(17 * i) % 1000 + 100 for i in range(CACHED)])
-    x = mx.array([[42]])
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        mx.eval(model(x, cache=cache))
-        times.append(time.perf_counter() - start)
-        trim_cache(cache, 1)
-    return 1000 * float(np.median(times[1:]))
+    times = forward_seconds(model, mx.array([[42]]), cache, repeats + 1)
+    return 1000 * float(np.median(times[1:]))  # the first is a warm-up
 
 
 def measure_costs(full, models: dict, depths: list[int], rounds: int, progress=None) -> dict:
@@ -172,9 +166,9 @@ def main() -> None:
 
     from omnidraft_mlx.blas import ensure_fast_blas
     from omnidraft_mlx.loading import load_model
-    from omnidraft_mlx.models.convert import INFO_FILE
-    from omnidraft_mlx.models.pull import _progress, resolve_model
+    from omnidraft_mlx.models.pull import CATALOG_RESOLVER, _progress, resolve_model
     from omnidraft_mlx.pair import make_pair
+    from omnidraft_mlx.paths import INFO_FILE
     from omnidraft_mlx.profile.store import load_profile
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,10 +193,10 @@ def main() -> None:
     ensure_fast_blas()
 
     info = json.loads((Path(resolve_model(args.derived)) / INFO_FILE).read_text())
-    full, full_tok = load_model(args.full)
-    derived, derived_tok = load_model(args.derived)
-    target, target_tok = load_model(args.target)
-    big = target if args.big_target == args.target else load_model(args.big_target)[0]
+    full, full_tok = load_model(args.full, CATALOG_RESOLVER)
+    derived, derived_tok = load_model(args.derived, CATALOG_RESOLVER)
+    target, target_tok = load_model(args.target, CATALOG_RESOLVER)
+    big = target if args.big_target == args.target else load_model(args.big_target, CATALOG_RESOLVER)[0]
     with _progress(True) as bar:
         cost = measure_costs(
             full,
@@ -224,8 +218,8 @@ def main() -> None:
         ]
         if args.adapted:  # each drafter again, as its profile for the target left it (adapter, n-gram cache)
             for name, model_name, ks in (("full", args.full, args.full_k), ("derived", args.derived, args.k)):
-                model, tok = load_model(model_name)
-                profile = load_profile(model_name, args.target, model)
+                model, tok = load_model(model_name, CATALOG_RESOLVER)
+                profile = load_profile(model_name, args.target, model, resolver=CATALOG_RESOLVER)
                 drafters.append((f"{name}-adapted", make_pair(model, tok, target, target_tok, profile.ngrams), ks))
         for name, pair, ks in drafters:
             for k in [int(k) for k in ks.split(",")]:

@@ -36,7 +36,7 @@ PROGRESS = re.compile(r"^(\d+)/\d+ prompts .*\| ([\d.]+) prompts/min", re.M)
 
 def fresh_home(path: Path) -> Path:
     """An OMNIDRAFT_HOME without a profile that sees the user's models and downloads."""
-    from omnidraft_mlx.models.pull import model_home
+    from omnidraft_mlx.paths import model_home
 
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)

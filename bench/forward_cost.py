@@ -14,6 +14,7 @@ import numpy as np
 
 from omnidraft_mlx.decode.kvcache import make_cache, prefill, trim_cache
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
+from omnidraft_mlx.timing import forward_seconds
 
 CACHED = 200  # tokens already in the KV cache, as mid-generation
 WIDTHS = (1, 4, 8)
@@ -45,14 +46,8 @@ def forward_cost(model, tokenizer, repeats: int = 5) -> dict:
     prefill(model, cache, ids[:CACHED])
     forward_ms = {}
     for width in WIDTHS:
-        x = mx.array(ids[CACHED : CACHED + width])[None]
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            start = time.perf_counter()
-            mx.eval(model(x, cache=cache))
-            times.append(time.perf_counter() - start)
-            trim_cache(cache, width)
-        forward_ms[str(width)] = 1000 * float(np.median(times[1:]))
+        times = forward_seconds(model, mx.array(ids[CACHED : CACHED + width])[None], cache, repeats + 1)
+        forward_ms[str(width)] = 1000 * float(np.median(times[1:]))  # the first is a warm-up
     build_ms = graph_build_ms(model, cache, mx.array(ids[CACHED : CACHED + 1])[None], repeats)
     stats = PlainStats()
     for _ in plain_generate(model, tokenizer, ids[:CACHED], stats, max_tokens=DECODE_TOKENS):
@@ -70,14 +65,14 @@ def run_forward_cost(names: list[str], progress=None) -> dict:
     """Forward cost of each named model (loaded one at a time) and the environment."""
     from omnidraft_mlx.bench.run import environment_base
     from omnidraft_mlx.loading import load_model
-    from omnidraft_mlx.models.pull import model_hash
+    from omnidraft_mlx.models.pull import CATALOG_RESOLVER, model_hash
 
     task = progress.add_task("forward cost", total=len(names)) if progress else None
     models = {}
     for name in names:
         if progress:
             progress.update(task, description=f"forward cost {name}")
-        model, tokenizer = load_model(name)
+        model, tokenizer = load_model(name, CATALOG_RESOLVER)
         models[name] = {"gguf_sha256": model_hash(name), **forward_cost(model, tokenizer)}
         del model
         if progress:

@@ -180,9 +180,10 @@ def plain_replies(target: str, requests: list[Request], max_tokens: int) -> dict
     """The target's own greedy reply to each prompt (mlx-lm's generate_step)."""
     from omnidraft_mlx.decode.plain import PlainStats, plain_generate
     from omnidraft_mlx.loading import load_model
+    from omnidraft_mlx.models.pull import CATALOG_RESOLVER
     from omnidraft_mlx.prompts import encode_prompt
 
-    model, tok = load_model(target)
+    model, tok = load_model(target, CATALOG_RESOLVER)
     out = {}
     for r in requests:
         if r.prompt_id not in out:

@@ -174,7 +174,7 @@ def main(argv=None) -> None:
     mx.random.seed(0)  # heads start from the same weights on every run
 
     from omnidraft_mlx.bench.run import BenchConfig, load_pair
-    from omnidraft_mlx.models.pull import model_home
+    from omnidraft_mlx.paths import model_home
     from omnidraft_mlx.profile.store import load_head
     from omnidraft_mlx.tasks import load_task
 

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from omnidraft_mlx.profile.atomic import atomic_write_text
+from omnidraft_mlx.timing import prompt_speedup, speedup
 
 ALL = "all"
 AGENT = "agent"  # the task whose prompts are steps of episodes (bench/agent.py)
@@ -25,25 +26,6 @@ def _total(records: list[dict], key: str) -> float | None:
 
 def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
-
-
-def prompt_speedup(tokens_per_s: float | None, plain_tokens_per_s: float | None) -> float | None:
-    """One prompt's speedup: the method's tokens/s over plain decoding's on the same prompt."""
-    return tokens_per_s / plain_tokens_per_s if tokens_per_s is not None and plain_tokens_per_s else None
-
-
-def speedup(rates) -> dict | None:
-    """The speedup every report gives: the median of per-prompt speedups (prompt_speedup of each
-    (method tokens/s, plain tokens/s) pair in `rates`), with the smallest and largest; None without any."""
-    ratios = [s for tps, plain in rates if (s := prompt_speedup(tps, plain)) is not None]
-    if not ratios:
-        return None
-    return {
-        "median": float(np.median(ratios)),
-        "min": float(min(ratios)),
-        "max": float(max(ratios)),
-        "prompts": len(ratios),
-    }
 
 
 def record_speedup(records: list[dict], plain: list[dict]) -> dict | None:

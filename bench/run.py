@@ -50,7 +50,7 @@ from omnidraft_mlx.decode.promptcache import PromptCache
 from omnidraft_mlx.decode.scheduler import Scheduler
 from omnidraft_mlx.decode.speculative import SAMPLING_MODES, SpecConfig, SpecStats, speculative_generate
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.models.pull import model_home
+from omnidraft_mlx.paths import model_home
 from omnidraft_mlx.profile.store import load_head
 from omnidraft_mlx.settings import check_choice, check_range
 from omnidraft_mlx.tasks import TASKS, Prompt, check_task, load_task
@@ -567,15 +567,11 @@ def load_pair(cfg: BenchConfig):
     """Both models, once, with the pair's saved profile (adapter, n-gram cache, history index)
     unless told to ignore it; the second value describes what the profile brought (None:
     ignored), the third is the history index (None: ignored)."""
-    from omnidraft_mlx.loading import load_model
-    from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.profile.store import load_profile
+    from omnidraft_mlx.loading import open_pair
+    from omnidraft_mlx.models.pull import CATALOG_RESOLVER
 
-    draft, draft_tok = load_model(cfg.draft)
-    target, target_tok = load_model(cfg.target)
-    profile = load_profile(cfg.draft, cfg.target, draft) if cfg.use_profile else None
-    pair = make_pair(draft, draft_tok, target, target_tok, profile and profile.ngrams)
-    history = profile.attach_history() if profile is not None else None
+    opened = open_pair(cfg.draft, cfg.target, resolver=CATALOG_RESOLVER, profile=cfg.use_profile)
+    pair, profile, history = opened.pair, opened.profile, opened.history
     used = (
         None
         if profile is None

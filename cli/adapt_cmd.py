@@ -113,9 +113,7 @@ def adapt(
     draft_policy = (
         make_policy(PolicyConfig(name=policy if mode == "stream" else "learned", k=k)) if mode != "text" else None
     )
-    learner = _open_learner(draft, target, cfg, interval, raw, draft_policy, group, lead)
-    if mode == "batch":  # the target's replies also feed lookup drafting from earlier replies
-        learner.history = learner.profile.attach_history()
+    learner = _open_learner(draft, target, cfg, interval, raw, draft_policy, group, lead, history=mode == "batch")
     _resume(learner, key, len(samples), group, lead)
     before = _evaluate(learner.pair, held, k, eval_tokens, "before", lead)
     run = _Run(learner, mode, group, lead, len(samples), max_prompts)
@@ -142,17 +140,21 @@ def _pick_mode(mode: str | None, samples) -> str:
     return mode
 
 
-def _open_learner(draft: str, target: str, cfg, interval: int, raw: bool, draft_policy, group, lead: bool):
+def _open_learner(
+    draft: str, target: str, cfg, interval: int, raw: bool, draft_policy, group, lead: bool, history: bool
+):
     """Load both models and the pair's learner, every rank from rank 0's profile (ranks on other
-    machines get a copy of it; the learner takes rank 0's weights and optimizer state)."""
+    machines get a copy of it; the learner takes rank 0's weights and optimizer state). history:
+    the target's replies also feed lookup drafting from earlier replies (batch mode)."""
     from omnidraft_mlx.cli.main import err_console
     from omnidraft_mlx.learn.adapt import open_learner
     from omnidraft_mlx.learn.distributed import share_folder
     from omnidraft_mlx.loading import load_model
+    from omnidraft_mlx.models.pull import CATALOG_RESOLVER
     from omnidraft_mlx.profile.store import profile_dir, profile_lock
 
-    draft_model, draft_tok = load_model(draft)
-    target_model, target_tok = load_model(target)
+    draft_model, draft_tok = load_model(draft, CATALOG_RESOLVER)
+    target_model, target_tok = load_model(target, CATALOG_RESOLVER)
     home = profile_dir(draft, target)
     with profile_lock(home, exclusive=False) if lead else nullcontext():
         shared = share_folder(home, group)
@@ -165,7 +167,9 @@ def _open_learner(draft: str, target: str, cfg, interval: int, raw: bool, draft_
         raw,
         path=shared,
         policy=draft_policy,
+        history=history,
         note=lambda s: lead and err_console.print(f"[yellow]note:[/] {s}"),
+        resolver=CATALOG_RESOLVER,
     )
 
 

@@ -25,7 +25,7 @@ def _setup_history():
         import readline  # noqa: F401  (line editing for input())
     except ImportError:  # not on every platform: plain input() still works
         return None
-    from omnidraft_mlx.models.pull import model_home
+    from omnidraft_mlx.paths import model_home
 
     path = model_home() / "chat_history"
     try:
@@ -131,24 +131,23 @@ def _open_session(draft: str, target: str, system: str | None, cfg, policy_cfg, 
     from omnidraft_mlx.chat import ChatSession, Conversation, make_learner
     from omnidraft_mlx.cli.main import console
     from omnidraft_mlx.decode.policy import make_policy
-    from omnidraft_mlx.loading import load_model
-    from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.profile.store import load_profile
+    from omnidraft_mlx.loading import open_pair
+    from omnidraft_mlx.models.pull import CATALOG_RESOLVER
 
     with console.status(f"loading {draft} and {target}"):
-        draft_model, draft_tok = load_model(draft)
-        target_model, target_tok = load_model(target)
         # The profile's adapter goes into the drafter: fused, or trainable when learning goes on.
-        profile = None if no_profile else load_profile(draft, target, draft_model, trainable=cfg.adapt)
-        pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile.ngrams if profile else None)
+        opened = open_pair(
+            draft,
+            target,
+            resolver=CATALOG_RESOLVER,
+            profile=not no_profile,
+            trainable=cfg.adapt,
+            policy=make_policy(policy_cfg),
+        )
+        pair, profile = opened.pair, opened.profile
         learner = make_learner(pair, profile, cfg.adapt_every) if cfg.adapt else None
-    draft_policy = make_policy(policy_cfg)
-    replies_index = None
-    if profile:
-        profile.attach_policy(draft_policy)
-        replies_index = profile.attach_history()
     on_save = profile.save if profile else None
-    session = ChatSession(pair, cfg, Conversation(system), learner, on_save, draft_policy, history=replies_index)
+    session = ChatSession(pair, cfg, Conversation(system), learner, on_save, opened.policy, history=opened.history)
     with console.status("timing the target's plain decoding step (for the speedup estimate)"):
         session.measure_plain_speed()
     console.print(

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from omnidraft_mlx.bench.report import speedup
 from omnidraft_mlx.chat import ChatSession, Conversation
 from omnidraft_mlx.decode.speculative import SpecStats
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.prompts import encode_prompt
+from omnidraft_mlx.timing import speedup
 
 HELP = """\
 commands:
@@ -22,7 +22,7 @@ to start and end a multi-line block. Ctrl-C stops a reply and keeps the conversa
 
 
 def estimate(replies: list[SpecStats], plain_step_s: float | None) -> dict | None:
-    """The speedup as every report defines it (report.speedup over replies), against an
+    """The speedup as every report defines it (timing.speedup over replies), against an
     estimate of plain decoding's rate on each: one over the target's step time timed at start."""
     if not plain_step_s:
         return None

@@ -40,7 +40,7 @@ def doctor() -> None:
 
     from omnidraft_mlx.blas import active_blas, find_fast_blas, matmul_gflops, warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, print_table
-    from omnidraft_mlx.models.pull import model_home
+    from omnidraft_mlx.paths import model_home
 
     table = Table(show_header=False, box=None)
     table.add_row("platform", f"{platform.system()} {platform.machine()}, {platform.python_version()}")

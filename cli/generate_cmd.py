@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import sys
 from functools import partial
+from typing import TYPE_CHECKING
 
 import typer
 from rich.text import Text
 
 from omnidraft_mlx.cli import options
-from omnidraft_mlx.decode.policy import DraftPolicy, PolicyConfig, check_policy, make_policy, parse_gamma
+from omnidraft_mlx.decode.policy import PolicyConfig, check_policy, make_policy, parse_gamma
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.vocab.textstream import TextStream
+
+if TYPE_CHECKING:
+    from omnidraft_mlx.loading import OpenPair
 
 
 class Printer:
@@ -105,12 +109,19 @@ def generate(
     drafter = None if model else _load_drafter(draft, messages, raw, max_tokens)
     printer = partial(Printer, console=console, show_draft=show_draft, quiet=quiet)
     if drafter:
-        from omnidraft_mlx.profile.store import load_profile
+        from omnidraft_mlx.loading import open_pair
+        from omnidraft_mlx.models.pull import CATALOG_RESOLVER
 
-        profile = None if no_profile else load_profile(draft, target, drafter[0])
-        summary = _speculate(
-            drafter, (target_model, target_tok, target_ids), cfg, make_policy(policy_cfg), profile, printer
+        (draft_model, draft_tok, draft_ids) = drafter
+        opened = open_pair(
+            draft,
+            target,
+            resolver=CATALOG_RESOLVER,
+            loaded=(draft_model, draft_tok, target_model, target_tok),  # each checked against the prompt
+            profile=not no_profile,
+            policy=make_policy(policy_cfg),
         )
+        summary = _speculate(opened, draft_ids, target_ids, cfg, printer)
     else:
         summary = _plain(target_model, target_tok, target_ids, cfg, printer)
     if not quiet:
@@ -120,9 +131,10 @@ def generate(
 def _load(name: str, messages: list[dict], raw: bool) -> tuple:
     """(model, tokenizer, the prompt in its tokens)."""
     from omnidraft_mlx.loading import load_model
+    from omnidraft_mlx.models.pull import CATALOG_RESOLVER
     from omnidraft_mlx.prompts import encode_prompt
 
-    model, tok = load_model(name)
+    model, tok = load_model(name, CATALOG_RESOLVER)
     return model, tok, encode_prompt(tok, messages, raw)
 
 
@@ -137,22 +149,16 @@ def _load_drafter(draft: str, messages: list[dict], raw: bool, max_tokens: int):
     return drafter
 
 
-def _speculate(drafter, target, cfg, draft_policy: DraftPolicy, profile, printer) -> str:
+def _speculate(opened: OpenPair, draft_ids: list[int], target_ids: list[int], cfg, printer) -> str:
     """Stream the reply of the pair (saving its profile, if any, after); the statistics line."""
     from omnidraft_mlx.decode.speculative import SpecStats, speculative_generate
-    from omnidraft_mlx.pair import make_pair
 
-    (draft_model, draft_tok, draft_ids), (target_model, target_tok, target_ids) = drafter, target
-    pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile and profile.ngrams)
+    pair, profile = opened.pair, opened.profile
     stats = SpecStats()
     out = printer(pair.vmap.target_bytes)
-    history = None
-    if profile is not None:
-        profile.attach_policy(draft_policy)
-        history = profile.attach_history()
     try:
         for new, drafted in speculative_generate(
-            pair, draft_ids, target_ids, cfg, stats, draft_policy, history=history
+            pair, draft_ids, target_ids, cfg, stats, opened.policy, history=opened.history
         ):
             out.add(new, drafted)
     finally:

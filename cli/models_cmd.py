@@ -30,7 +30,8 @@ def list_models():
 
     from omnidraft_mlx.cli.main import print_table
     from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
-    from omnidraft_mlx.models.pull import local_state, model_home
+    from omnidraft_mlx.models.pull import local_state
+    from omnidraft_mlx.paths import model_home
 
     table = Table(title=f"models in {model_home()}")
     for col in ("name", "role", "state", "dtype", "size", "description"):

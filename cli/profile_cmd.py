@@ -17,9 +17,10 @@ def show(draft: str = DRAFT, target: str = TARGET) -> None:
     """What the pair's profile holds."""
     from omnidraft_mlx.cli.main import console
     from omnidraft_mlx.decode.policy import LearnedPolicy, PolicyConfig
+    from omnidraft_mlx.models.pull import CATALOG_RESOLVER
     from omnidraft_mlx.profile.store import load_head, load_profile, profile_files, profile_lock
 
-    profile = load_profile(draft, target)
+    profile = load_profile(draft, target, resolver=CATALOG_RESOLVER)
     if not profile.path.exists():
         console.print(f"no profile yet for {draft} -> {target} ({profile.path})")
         return
@@ -65,10 +66,11 @@ def export(
     import tarfile
 
     from omnidraft_mlx.cli.main import console
+    from omnidraft_mlx.models.pull import CATALOG_RESOLVER
     from omnidraft_mlx.profile.atomic import atomic_write_bytes
     from omnidraft_mlx.profile.store import load_profile, profile_files, profile_lock
 
-    profile = load_profile(draft, target)
+    profile = load_profile(draft, target, resolver=CATALOG_RESOLVER)
     if not profile.path.exists():
         raise OmniDraftError(f"no profile for {draft} -> {target} to export")
     buf = io.BytesIO()

@@ -58,6 +58,7 @@ def serve(
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
     from omnidraft_mlx.decode.policy import PolicyConfig, check_policy, parse_gamma
+    from omnidraft_mlx.models.pull import CATALOG_RESOLVER
     from omnidraft_mlx.serve.server import ServeConfig
     from omnidraft_mlx.serve.server import serve as run_server
     from omnidraft_mlx.settings import check_range
@@ -97,4 +98,4 @@ def serve(
         )
 
     console.print(f"[dim]loading {draft} and {target}[/]")
-    run_server(cfg, host, port, ready)
+    run_server(cfg, host, port, ready, resolver=CATALOG_RESOLVER)

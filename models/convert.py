@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.paths import INFO_FILE
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 SUPPORTED_QUANTS = (
@@ -34,7 +35,6 @@ SUPPORTED_QUANTS = (
     "Q5_K",
     "Q6_K",
 )
-INFO_FILE = "omnidraft.json"  # where the conversion records its source
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _LAYER_NAMES = {

@@ -38,8 +38,9 @@ from pathlib import Path
 import numpy as np
 
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.models.convert import INFO_FILE, staged_dir
-from omnidraft_mlx.models.pull import _progress, is_model_dir, model_home, models_dir, resolve_model
+from omnidraft_mlx.models.convert import staged_dir
+from omnidraft_mlx.models.pull import _progress, resolve_model
+from omnidraft_mlx.paths import INFO_FILE, is_model_dir, model_home, models_dir
 from omnidraft_mlx.profile.atomic import atomic_write_text
 
 WEIGHTS = "model.safetensors"

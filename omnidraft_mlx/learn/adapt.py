@@ -42,6 +42,7 @@ from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.learn.distill import DistillConfig, Distiller, Example, StepStats, make_example
 from omnidraft_mlx.learn.distributed import all_sum, gather_rows, shard, share_tree, world
 from omnidraft_mlx.pair import Pair
+from omnidraft_mlx.paths import LOCAL, Resolver
 from omnidraft_mlx.profile.store import Profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 
@@ -176,7 +177,8 @@ class OnlineLearner:
     The drafter must have been prepared for training (load_profile(...,
     trainable=True) or distill.setup_trainable) before the learner is made.
     `policy`, when given, is the draft-length policy the decoding uses: its
-    acceptance head (trained as it decodes) is saved with every update.
+    acceptance head (trained as it decodes) is saved with every update when
+    the profile holds it (open_pair attaches it).
     Under mlx.launch only rank 0 writes the profile.
     """
 
@@ -193,8 +195,6 @@ class OnlineLearner:
             raise OmniDraftError("the update interval must be at least 1 prompt")
         self.pair, self.cfg, self.interval, self.profile, self.raw = pair, cfg, interval, profile, raw
         self.policy = policy
-        if policy is not None and profile is not None:
-            profile.attach_policy(policy)  # saved with every update
         self.group = world()
         self.distiller = Distiller(pair, cfg, self.group)
         if profile is not None:
@@ -281,25 +281,37 @@ def open_learner(
     path: Path | None = None,
     note: Callable[[str], None] = lambda s: None,
     policy: DraftPolicy | None = None,
+    history: bool = False,
+    resolver: Resolver = LOCAL,
 ) -> OnlineLearner:
     """A learner on the pair's profile: its adapter, optimizer state and n-grams
     when they exist (the saved adapter's shape wins over cfg's), else a fresh one.
-    `models` is (draft model, draft tokenizer, target model, target tokenizer)."""
+    `models` is (draft model, draft tokenizer, target model, target tokenizer);
+    history=True gives the learner the profile's history index to learn replies into."""
     from omnidraft_mlx.learn.distill import setup_trainable
-    from omnidraft_mlx.pair import make_pair
-    from omnidraft_mlx.profile.store import load_profile
+    from omnidraft_mlx.loading import open_pair
 
-    draft_model, draft_tok, target_model, target_tok = models
-    profile = load_profile(draft, target, draft_model, trainable=True, path=path)
+    opened = open_pair(
+        draft,
+        target,
+        resolver=resolver,
+        loaded=models,
+        trainable=True,
+        profile_path=path,
+        policy=policy,
+        history=history,
+    )
+    pair, profile = opened.pair, opened.profile
     if profile.distill:
         saved = DistillConfig.from_dict(profile.distill)
         if saved.adapter_dict() != cfg.adapter_dict():
             note(f"continuing the profile's adapter {saved.adapter_dict()}")
         cfg = DistillConfig(**{**cfg.__dict__, **saved.adapter_dict()})
     else:
-        setup_trainable(draft_model, cfg)
-    pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile.ngrams)
-    return OnlineLearner(pair, cfg, interval, profile, raw, policy)
+        setup_trainable(pair.draft, cfg)
+    learner = OnlineLearner(pair, cfg, interval, profile, raw, policy)
+    learner.history = opened.history
+    return learner
 
 
 # --- the two loops ---------------------------------------------------------------

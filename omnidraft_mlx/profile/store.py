@@ -44,6 +44,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.paths import LOCAL, Resolver, model_home
 from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.profile.learned import Part, deferred_interrupt
 from omnidraft_mlx.vocab.ngram import NGramCache
@@ -62,17 +63,14 @@ def _slug(name: str) -> str:
 
 
 def profile_dir(draft: str, target: str) -> Path:
-    from omnidraft_mlx.models.pull import model_home
-
+    """Keyed by the names the user gave (a catalog name, a path, a hub id), not by what they resolve to."""
     return model_home() / "profiles" / f"{_slug(draft)}__{_slug(target)}"
 
 
-def model_identity(name: str) -> str:
+def model_identity(name: str, resolver: Resolver = LOCAL) -> str:
     """What the weights are: the source GGUF's sha256 where known, else a digest
     of a local model directory's config and weight files, else the name."""
-    from omnidraft_mlx.models.pull import model_hash
-
-    if digest := model_hash(name):
+    if digest := resolver.source_digest(name):
         return f"gguf:{digest}"
     path = Path(name).expanduser()
     if not path.is_dir():
@@ -98,6 +96,7 @@ class Profile:
     ngrams: NGramCache = field(default_factory=NGramCache)
     manifest: dict = field(default_factory=dict)  # as this process last read or wrote it
     note: Callable[[str], None] = _print_note  # what a save did that the user should know
+    resolver: Resolver = LOCAL  # names the weights the manifest records (model_identity)
     parts: dict[str, Part] = field(default_factory=dict, init=False, repr=False)
     synced: dict[str, str | None] = field(default_factory=dict, init=False)  # each part's file when loaded/saved
     optimizer_state: dict | None = field(default=None, init=False, repr=False)  # read with a trainable adapter
@@ -177,8 +176,8 @@ class Profile:
             "draft": self.draft,
             "target": self.target,
             "version": version,
-            "draft_id": model_identity(self.draft),
-            "target_id": model_identity(self.target),
+            "draft_id": model_identity(self.draft, self.resolver),
+            "target_id": model_identity(self.target, self.resolver),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
         written = []
@@ -348,7 +347,7 @@ def _read_manifest(path: Path) -> dict:
         ) from e
 
 
-def check_profile(manifest: dict, path: Path, draft: str, target: str) -> None:
+def check_profile(manifest: dict, path: Path, draft: str, target: str, resolver: Resolver = LOCAL) -> None:
     """Refuse a profile made by another format, another model pair or other weights."""
     if not manifest:
         return
@@ -356,7 +355,7 @@ def check_profile(manifest: dict, path: Path, draft: str, target: str) -> None:
     if manifest.get("format") != FORMAT:
         raise OmniDraftError(f"the profile in {path} has format {manifest.get('format')}, not {FORMAT}: {fix}")
     for role, name in (("draft", draft), ("target", target)):
-        if manifest.get(f"{role}_id") != model_identity(name):
+        if manifest.get(f"{role}_id") != model_identity(name, resolver):
             raise OmniDraftError(
                 f"the profile in {path} was made for another {role} model than '{name}' "
                 f"(its weights changed since): {fix}"
@@ -364,10 +363,16 @@ def check_profile(manifest: dict, path: Path, draft: str, target: str) -> None:
 
 
 def load_profile(
-    draft_name: str, target_name: str, draft_model=None, trainable: bool = False, path: Path | None = None
+    draft_name: str,
+    target_name: str,
+    draft_model=None,
+    trainable: bool = False,
+    path: Path | None = None,
+    resolver: Resolver = LOCAL,
 ) -> Profile:
     """The pair's profile (from `path` instead of the default place where given);
-    its adapter is applied to draft_model when given.
+    its adapter is applied to draft_model when given. `resolver` tells which
+    weights the names stand for (the profile refuses others).
 
     For inference (trainable=False) LoRA adapters are fused into the drafter's
     weights; for further training they stay separate and trainable.
@@ -377,8 +382,8 @@ def load_profile(
     path = Path(path) if path is not None else profile_dir(draft_name, target_name)
     with profile_lock(path, exclusive=False):  # the manifest and the files it names, as one version
         manifest = _read_manifest(path)
-        check_profile(manifest, path, draft_name, target_name)
-        profile = Profile(path, draft_name, target_name, manifest=manifest)
+        check_profile(manifest, path, draft_name, target_name, resolver)
+        profile = Profile(path, draft_name, target_name, manifest=manifest, resolver=resolver)
         if profile.synced[NGRAMS]:
             profile.ngrams = profile.parts[NGRAMS].obj = _read_part(path / profile.synced[NGRAMS], NGramCache.load)
         files = manifest.get("files", {})

@@ -2,7 +2,7 @@
 
 Up to --batch requests are active at once and progress a round at a time: each
 plans its own draft (its scheduler and guard choose drafter, lookup or none),
-one target forward verifies every draft (batch.py), and each keeps what it
+one target forward verifies every draft (decode/batch.py), and each keeps what it
 accepted and rolls its own caches back. A new request is admitted between rounds
 (its prefill then), so it starts after a round, not after the queue; beyond
 --batch, or when its caches at full length would not fit in --cache-bytes
@@ -12,7 +12,7 @@ scheduler (what it measured across requests), the others a fork of it. The
 engine runs in the main thread (MLX does all its work there: a process whose
 other threads ran a model aborts at exit). A client that disconnects leaves the
 queue, or frees its row at the next round. When no request is active and the
-queue is empty, the pair learns and saves (serve_learning.py).
+queue is empty, the pair learns and saves (learning.py).
 """
 
 from __future__ import annotations
@@ -21,11 +21,16 @@ import logging
 import queue
 import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.paths import LOCAL, Resolver
 from omnidraft_mlx.serve.learning import Learning
 from omnidraft_mlx.serve.request import Decoder, Job, Running
 from omnidraft_mlx.serve.schema import ApiError
+
+if TYPE_CHECKING:
+    from omnidraft_mlx.serve.server import ServeConfig
 
 log = logging.getLogger("omnidraft.serve")
 IDLE_S = 0.5  # queue empty this long: save what was learned, run a due drafter update
@@ -34,8 +39,8 @@ IDLE_S = 0.5  # queue empty this long: save what was learned, run a due drafter 
 class Engine:
     """The pair's decoder and learning; serves the queued jobs, several at once (run())."""
 
-    def __init__(self, cfg):
-        self.cfg = cfg  # ServeConfig
+    def __init__(self, cfg: ServeConfig, resolver: Resolver = LOCAL):
+        self.cfg, self.resolver = cfg, resolver  # resolver: how the models' names find their weights
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.active: list[Running] = []
         self.served = self.cancelled = self.failed = 0
@@ -67,24 +72,27 @@ class Engine:
         from omnidraft_mlx.decode.policy import make_policy
         from omnidraft_mlx.decode.promptcache import PromptCache
         from omnidraft_mlx.decode.scheduler import Scheduler
-        from omnidraft_mlx.loading import load_model
-        from omnidraft_mlx.pair import context_length, make_pair
-        from omnidraft_mlx.profile.store import load_profile
+        from omnidraft_mlx.loading import open_pair
+        from omnidraft_mlx.pair import context_length
 
         cfg = self.cfg
-        draft_model, draft_tok = load_model(cfg.draft)
-        target_model, target_tok = load_model(cfg.target)
-        profile = load_profile(cfg.draft, cfg.target, draft_model, trainable=cfg.adapt) if cfg.profile else None
-        pair = make_pair(draft_model, draft_tok, target_model, target_tok, profile.ngrams if profile else None)
+        # The profile's adapter goes into the drafter: fused, or trainable when learning goes on.
+        opened = open_pair(
+            cfg.draft,
+            cfg.target,
+            resolver=self.resolver,
+            profile=cfg.profile,
+            trainable=cfg.adapt,
+            policy=make_policy(cfg.policy),
+        )
+        pair, profile = opened.pair, opened.profile
         learner = make_learner(pair, profile, cfg.adapt_every) if cfg.adapt else None
-        policy, history = make_policy(cfg.policy), None
-        if profile:  # the policy's head and the history index are saved with every profile save from now on
-            profile.attach_policy(policy)
-            history = profile.attach_history()
-        limits = [x for x in (context_length(draft_model), context_length(target_model)) if x]
+        limits = [x for x in (context_length(pair.draft), context_length(pair.target)) if x]
         prompt_cache = PromptCache(cfg.cache_bytes)
         # The scheduler measures which draft source pays, across requests.
-        self.decoder = Decoder(cfg, pair, policy, history, Scheduler(), prompt_cache, min(limits) if limits else None)
+        self.decoder = Decoder(
+            cfg, pair, opened.policy, opened.history, Scheduler(), prompt_cache, min(limits) if limits else None
+        )
         self.learning = Learning(pair, profile, learner, prompt_cache)
 
     def run(self, running: Callable[[], bool]) -> None:

@@ -1,20 +1,20 @@
 """`omnidraft serve`: an OpenAI-compatible HTTP API over a drafter/target pair.
 
-This module starts it: the engine (serve_engine.py) loads the pair and decodes
-in the main thread, the HTTP server (uvicorn, serving serve_routes.py's app)
+This module starts it: the engine (engine.py) loads the pair and decodes
+in the main thread, the HTTP server (uvicorn, serving routes.py's app)
 runs in another; Ctrl-C or SIGTERM stops both, and what the pair learned is
-saved. The parts, each its own module:
-  serve_schema.py    the OpenAI request bodies, checked; ApiError
-  serve_routes.py    the FastAPI app: routes, error bodies, the API key
-  serve_replies.py   a job's events as one JSON reply or server-sent events
-  serve_engine.py    the queue and the active requests, decoded together a round at a time
-  batch.py           one target forward over the active requests' drafts
-  serve_decode.py    one request: prompts encoded, its decoding on the prompt cache, its events
-  serve_text.py      the reply's text cut at stop strings, split into content and tool calls
-  serve_tools.py     tools to the chat template, tool_choice, the target's tool-call parser
-  serve_logprobs.py  the target's log-probabilities of the tokens it emitted
-  serve_learning.py  learning from the replies and saving it into the profile
-Prompt caches are kept between requests (promptcache.PromptCache), so a resent
+saved. The parts, each its own module in serve/:
+  schema.py      the OpenAI request bodies, checked; ApiError
+  routes.py      the FastAPI app: routes, error bodies, the API key
+  replies.py     a job's events as one JSON reply or server-sent events
+  engine.py      the queue and the active requests, decoded together a round at a time
+  request.py     one request: prompts encoded, its decoding on the prompt cache, its events
+  text.py        the reply's text cut at stop strings, split into content and tool calls
+  tools.py       tools to the chat template, tool_choice, the target's tool-call parser
+  logprobs.py    the target's log-probabilities of the tokens it emitted
+  learning.py    learning from the replies and saving it into the profile
+and decode/batch.py: one target forward over the active requests' drafts.
+Prompt caches are kept between requests (decode.promptcache.PromptCache), so a resent
 system prompt or conversation is not prefilled again.
 """
 
@@ -30,6 +30,7 @@ from omnidraft_mlx.decode.drafts import SOURCES, check_sources
 from omnidraft_mlx.decode.policy import PolicyConfig
 from omnidraft_mlx.decode.promptcache import DEFAULT_CACHE_BYTES
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.paths import LOCAL, Resolver
 from omnidraft_mlx.serve.engine import Engine
 from omnidraft_mlx.serve.routes import make_app
 from omnidraft_mlx.settings import check_range
@@ -59,12 +60,19 @@ class ServeConfig:
         check_range("--batch", self.batch, 1)
 
 
-def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8080, on_ready=lambda engine: None) -> None:
-    """Load the pair, serve until interrupted (Ctrl-C, SIGTERM), then save what was learned."""
+def serve(
+    cfg: ServeConfig,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    on_ready=lambda engine: None,
+    resolver: Resolver = LOCAL,
+) -> None:
+    """Load the pair (its models found by `resolver`), serve until interrupted (Ctrl-C,
+    SIGTERM), then save what was learned."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    engine = Engine(cfg)
+    engine = Engine(cfg, resolver)
     engine.load()
     http = uvicorn.Server(
         uvicorn.Config(make_app(engine), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
