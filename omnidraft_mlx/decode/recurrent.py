@@ -1,0 +1,254 @@
+"""Recurrent layers that roll back: the state after each position of a forward.
+
+Hybrid models (Qwen3.5, Qwen3-Next, LFM2, Mamba-2, Nemotron-H, Granite 4, Falcon-H1)
+keep an ArraysCache per recurrent layer: a convolution state (the last K-1 inputs of
+the layer's short causal convolution) and, for gated delta and Mamba-2 layers, a
+recurrent state. A verify forward over k draft tokens absorbs all of them, and a
+rejected token cannot be subtracted back out. So the same forward keeps the state
+after each of its positions, and a rollback picks the one at the accepted length:
+
+- convolution state: free, the K-1 inputs ending at the accepted position, all in the
+  convolution's own (padded) input, which a Conv1d subclass keeps;
+- gated delta state: mlx-lm's ops path steps over the positions anyway; each step's
+  state is kept (gated_delta's step function wrapped, the kernel skipped while keeping);
+- Mamba-2 state: mlx-lm's chunked scan returns only the last state; the state after
+  each position is the same sum, cut at that position (ssm_states).
+
+mlx-lm's layers are used as they are: they read their cache (StepsCache, an
+ArraysCache that notes which of its slots was read last), call the convolution and
+the recurrence functions (wrapped here in the layers' modules, acting only right
+after a StepsCache was read) and write the final states back; `advance(T)` closes
+the layer's forward. A StepsCache also keeps the states at the last few offsets it
+passed through (references, no copies), so a drafter's one-token forwards roll back
+too. Rolling back further than that is refused (`can_trim`); KVSlot then starts
+the sequence afresh.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import gated_delta, ssm
+from mlx_lm.models.cache import ArraysCache, CacheList
+
+HISTORY = 16  # offsets whose states a StepsCache keeps (one-token forwards: a drafter's draft)
+RECORD_MAX = 64  # forwards longer than this (prompt processing) keep only their last state
+
+_read: tuple | None = None  # (StepsCache, slot) read last: the layer about to run its recurrence
+
+
+class StepsCache(ArraysCache):
+    """A recurrent layer's cache that can roll back into its last forward."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.offset = 0  # positions absorbed
+        self.records: dict[int, tuple[str, mx.array]] = {}  # slot -> what the layer's forward kept
+        self.steps: tuple[int, int, dict] | None = None  # (start, length, records) of the last forward
+        self.closed = True  # the last forward has advanced: the next read starts another
+        self.history: dict[int, list] = {0: list(self.cache)}  # offset -> slot values there
+
+    def __getitem__(self, idx):
+        global _read
+        if self.closed:
+            self.records, self.closed = {}, False
+        _read = (self, idx)
+        return self.cache[idx]
+
+    def record(self, idx: int, kind: str, value: mx.array) -> None:
+        """Keep what the layer's forward computed for slot idx (its convolution may run after advance)."""
+        self.records[idx] = (kind, value)
+
+    def advance(self, N: int):
+        """The layer's forward over N positions is done."""
+        super().advance(N)
+        self.steps, self.closed = (self.offset, N, self.records), True
+        self.offset += N
+        self._remember()
+
+    def _fits(self, idx: int, record: tuple[str, mx.array], N: int) -> bool:
+        kind, value = record
+        now = self.cache[idx]
+        if now is None:
+            return False
+        if kind == "conv":  # the padded input: K-1 earlier inputs, then N new ones
+            return value.shape[1] == now.shape[1] + N and value.shape[2:] == now.shape[2:]
+        return value.shape[1] == N and value.shape[2:] == now.shape[1:]
+
+    def _remember(self) -> None:
+        self.history[self.offset] = list(self.cache)
+        for old in sorted(self.history)[:-HISTORY]:
+            del self.history[old]
+
+    def _at(self, offset: int) -> list | None:
+        """The slot values after `offset` positions, if kept."""
+        if offset in self.history:
+            return self.history[offset]
+        if self.steps is None:
+            return None
+        start, n, records = self.steps
+        m = offset - start
+        kept = [i for i, c in enumerate(self.cache) if c is not None]
+        if not 0 < m < n or not all(i in records and self._fits(i, records[i], n) for i in kept):
+            return None
+        values = list(self.cache)
+        for idx, (kind, value) in records.items():
+            keep = self.cache[idx].shape[1]
+            values[idx] = value[:, m : m + keep] if kind == "conv" else value[:, m - 1]
+        return values
+
+    def can_trim(self, n: int) -> bool:
+        return n <= 0 or self._at(self.offset - n) is not None
+
+    def is_trimmable(self):
+        return False  # not any n (mlx-lm's prompt cache would trim it blindly): see can_trim
+
+    def trim(self, n: int) -> int:
+        values = self._at(self.offset - n) if n > 0 else list(self.cache)
+        if values is None:
+            return 0
+        self.cache = list(values)
+        self.offset -= n
+        self.history = {o: v for o, v in self.history.items() if o <= self.offset}
+        self._remember()
+        return n
+
+    def reset(self) -> None:
+        self.__init__(len(self.cache))
+
+
+class StepsConv1d(nn.Conv1d):
+    """A recurrent layer's short convolution that hands its padded input to the cache just read."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if _read is not None:
+            cache, idx = _read
+            cache.record(idx, "conv", x)
+        return super().__call__(x)
+
+
+_steps: list | None = None  # gated delta states, collected while a StepsCache's layer runs
+
+
+def _collecting_step(step):
+    def collect(*args, **kwargs):
+        y, state = step(*args, **kwargs)
+        if _steps is not None:
+            _steps.append(state)
+        return y, state
+
+    collect.steps_wrapped = True
+    return collect
+
+
+def _keeping_gated_delta(update):
+    """gated_delta_update that, after a StepsCache read, records the state after each position."""
+
+    def keeping(*args, **kwargs):
+        global _steps
+        if _read is None or not 1 < args[0].shape[1] <= RECORD_MAX:
+            y, state = update(*args, **kwargs)
+            if _read is not None and args[0].shape[1] == 1:
+                _read[0].record(_read[1], "states", state[:, None])
+            return y, state
+        cache, idx = _read
+        _steps = []
+        try:
+            y, state = update(*args, **{**kwargs, "use_kernel": False})
+            cache.record(idx, "states", mx.stack(_steps, axis=1))
+        finally:
+            _steps = None
+        return y, state
+
+    keeping.steps_wrapped = True
+    return keeping
+
+
+def ssm_states(x, A_log, B, C, D, dt, dt_bias, state=None, time_step_limit=(0.001, 100.0), *_, **__) -> mx.array:
+    """Mamba-2's state after each position [b, l, h, dh, n]: ssm.ssm_attn's sum, cut at each position."""
+    h, g = x.shape[2], B.shape[2]
+    dt = ssm.compute_dt(dt, dt_bias, time_step_limit)  # [b, l, h]
+    dtA = dt * (-mx.exp(A_log).astype(dt.dtype)).reshape(1, 1, -1)
+    decay = mx.tril(mx.exp(ssm.segsum(dtA.swapaxes(1, 2))))  # [b, h, j, i]: exp(sum of dtA over (i, j]), i <= j
+    dtx = dt[..., None] * x  # [b, l, h, dh]
+    Bh = mx.repeat(B, h // g, axis=2).astype(dtx.dtype)  # [b, l, h, n]
+    states = mx.einsum("bhji,bihp,bihn->bjhpn", decay, dtx, Bh)
+    if state is not None:
+        states = states + mx.exp(mx.cumsum(dtA, axis=1))[..., None, None] * state[:, None]
+    return states
+
+
+def _keeping_ssm(update):
+    """ssm_update that, after a StepsCache read, records the state after each position."""
+
+    def keeping(*args, **kwargs):
+        out = update(*args, **kwargs)
+        if _read is not None and args[0].shape[1] <= RECORD_MAX:
+            cache, idx = _read
+            cache.record(idx, "states", ssm_states(*args, **kwargs) if args[0].shape[1] > 1 else out[1][:, None])
+        return out
+
+    keeping.steps_wrapped = True
+    return keeping
+
+
+WRAPPERS = {"gated_delta_update": _keeping_gated_delta, "ssm_update": _keeping_ssm}
+
+
+def _supported(module) -> bool:
+    """A layer module whose recurrence can keep its steps: gated delta, Mamba-2, or a short convolution only."""
+    name = module.__name__.rsplit(".", 1)[-1]
+    return any(hasattr(module, f) for f in WRAPPERS) or name in ("lfm2", "lfm2_moe")
+
+
+def prepare(model) -> bool:
+    """Make `model`'s recurrent layers keep their steps (idempotent); False when a layer's
+    recurrence is one this module does not know (its caches stay mlx-lm's: no speculation)."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__module__.startswith("mlx_lm.")}
+    if not all(_supported(m) for m in modules if getattr(m, "ArraysCache", None) is ArraysCache):
+        return False
+    if not getattr(gated_delta._gated_delta_step_ops, "steps_wrapped", False):
+        gated_delta._gated_delta_step_ops = _collecting_step(gated_delta._gated_delta_step_ops)
+    for module in modules:
+        for name, wrap in WRAPPERS.items():
+            f = getattr(module, name, None)
+            if f is not None and not getattr(f, "steps_wrapped", False):
+                setattr(module, name, wrap(f))
+    for m in model.modules():
+        if type(m) is nn.Conv1d:
+            m.__class__ = StepsConv1d
+    return True
+
+
+def steps_caches(cache: list, model) -> list:
+    """The model's cache with every ArraysCache a StepsCache (inside CacheLists too), where prepare() allows."""
+    if not any(_has_arrays(c) for c in cache) or not prepare(model):
+        return cache
+    return [_stepped(c) for c in cache]
+
+
+def _has_arrays(c) -> bool:
+    return type(c) is ArraysCache or (isinstance(c, CacheList) and any(_has_arrays(s) for s in c.caches))
+
+
+def _stepped(c):
+    if type(c) is ArraysCache:
+        return StepsCache(len(c.cache))
+    if isinstance(c, CacheList):
+        return StepsCacheList(*(_stepped(s) for s in c.caches))
+    return c
+
+
+class StepsCacheList(CacheList):
+    """A CacheList (a layer with recurrent and attention parts side by side, Falcon-H1) with an offset."""
+
+    @property
+    def offset(self) -> int:
+        return max(c.offset for c in self.caches)
+
+
+def layers(c) -> list:
+    """A layer's caches (a CacheList holds several)."""
+    return [s for sub in c.caches for s in layers(sub)] if isinstance(c, CacheList) else [c]
