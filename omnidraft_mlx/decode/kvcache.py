@@ -7,6 +7,7 @@ the cache and silently breaks losslessness, so every trim here is checked.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -20,6 +21,8 @@ from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.vocab.align import common_prefix
 
 PREFILL_CHUNK = 512
+log = logging.getLogger("omnidraft.kvcache")
+_said: list[bool] = []  # the chains-only note, logged once
 
 
 class WindowedKVCache(KVCache):
@@ -124,7 +127,11 @@ class KVSlot:
     def verify(self, model, root: int, tree: TokenTree) -> mx.array:
         """The model's logits after the root and after each of the tree's nodes (one forward)."""
         if not tree.is_chain and is_recurrent(self.cache):
-            raise OmniDraftError("a model with recurrent layers verifies chains only, not token trees")
+            # A branch's recurrent state would depend on its own path: verify the chain (the tree cut in place).
+            if not _said:
+                log.info("this target has recurrent layers: its drafts are verified as chains, not trees")
+                _said.append(True)
+            del tree.tokens[tree.chain :], tree.parents[tree.chain :]
         out = tree_forward(model, self.cache, root, tree)
         self.tokens += [root, *tree.tokens]
         return out
