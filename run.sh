@@ -4,7 +4,10 @@
 #   ./run.sh omnidraft generate "prompt"      ./run.sh pytest
 set -euo pipefail
 cd "$(dirname "$0")"
+# OMNIDRAFT_LOWEST=1: a second environment holding the lowest versions pyproject.toml allows of
+# each direct dependency (uv's lowest-direct resolution), where .ci/run runs the fast suite again.
 VENV=.venv
+[[ -n ${OMNIDRAFT_LOWEST:-} ]] && VENV=.venv-lowest
 
 if [[ "$(uname)" == "Linux" ]] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
     if command -v apt-get >/dev/null; then
@@ -23,7 +26,12 @@ fi
 STAMP=$VENV/.installed-$(cat pyproject.toml | sha256sum | cut -c1-16)
 if [[ ! -f $STAMP ]]; then
     echo "run.sh: installing omnidraft-mlx into $VENV" >&2
-    $VENV/bin/pip install -q -e '.[test]'
+    if [[ -n ${OMNIDRAFT_LOWEST:-} ]]; then
+        $VENV/bin/pip install -q uv
+        $VENV/bin/uv pip install -q --python $VENV/bin/python --resolution lowest-direct -e '.[test]'
+    else
+        $VENV/bin/pip install -q -e '.[test]'
+    fi
     touch "$STAMP"
 fi
 
