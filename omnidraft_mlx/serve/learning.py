@@ -72,4 +72,6 @@ class Learning:
             self.saves += 1
         except (OSError, OmniDraftError) as e:
             log.error("could not save the profile: %s", e)
+        except Exception:  # the previous save stays on disk; the server goes on, and saves again after a reply
+            log.error("could not save the profile:\n%s", traceback.format_exc())
         self.dirty = False
