@@ -1,0 +1,261 @@
+"""Speculation on hybrid targets (recurrent layers: gated delta, Mamba-2, short convolutions)
+is exact: the state after a rollback equals a forward over only the accepted tokens, and
+greedy output equals mlx-lm's plain decoding, with drafts the target often rejects."""
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from omnidraft_mlx.decode.kvcache import KVSlot
+from omnidraft_mlx.decode.recurrent import StepsCache, layers
+from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats, decode_together, speculative_generate
+from omnidraft_mlx.decode.tree import TokenTree
+from omnidraft_mlx.pair import make_pair
+
+V = 600  # the tiny target tokenizer's vocabulary
+# Tiny configurations, real layer kinds: attention beside recurrent layers where the family mixes them.
+CONFIGS = {
+    "qwen3_next": dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[],
+        moe_intermediate_size=32,
+        rms_norm_eps=1e-5,
+        vocab_size=V,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=512,
+        head_dim=16,
+        full_attention_interval=2,
+    ),
+    "qwen3_5": dict(
+        text_config=dict(
+            model_type="qwen3_5_text",
+            hidden_size=64,
+            num_hidden_layers=4,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            rms_norm_eps=1e-5,
+            vocab_size=V,
+            rope_theta=10000.0,
+            partial_rotary_factor=0.25,
+            max_position_embeddings=512,
+            head_dim=16,
+            full_attention_interval=2,
+            tie_word_embeddings=False,
+        )
+    ),
+    "lfm2": dict(
+        vocab_size=V,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=64,
+        block_ff_dim=128,
+        block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        full_attn_idxs=[1, 3],
+        rope_theta=10000.0,
+    ),
+    "mamba2": dict(
+        num_heads=8,
+        head_dim=16,
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        state_size=16,
+        num_hidden_layers=2,
+        layer_norm_epsilon=1e-5,
+        conv_kernel=4,
+        n_groups=2,
+        use_bias=False,
+        use_conv_bias=True,
+        tie_word_embeddings=False,
+        time_step_limit=(0.0, float("inf")),
+        time_step_rank=8,
+    ),
+    "nemotron_h": dict(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=False,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        mamba_proj_bias=False,
+        ssm_state_size=16,
+        conv_kernel=4,
+        n_groups=2,
+        mlp_bias=False,
+        layer_norm_epsilon=1e-5,
+        use_bias=False,
+        use_conv_bias=True,
+        hybrid_override_pattern="M*M-",
+        head_dim=16,
+        num_hidden_layers=4,
+    ),
+    "granitemoehybrid": dict(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        max_position_embeddings=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=False,
+        embedding_multiplier=1.0,
+        attention_multiplier=0.25,
+        logits_scaling=1.0,
+        residual_multiplier=1.0,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_proj_bias=False,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_n_groups=2,
+        mamba_conv_bias=True,
+        shared_intermediate_size=128,
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        position_embedding_type="rope",
+    ),
+    "falcon_h1": dict(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_d_ssm=128,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_n_groups=2,
+        mamba_chunk_size=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def build(family: str, seed: int = 0, noise: float = 0.0):
+    """A random-weight model of the family; noise > 0: the seed-0 weights scaled by 1 + Gaussian noise (a drafter)."""
+    mod = importlib.import_module(f"mlx_lm.models.{family}")
+    mx.random.seed(seed)
+    model = mod.Model(mod.ModelArgs.from_dict(dict(CONFIGS[family], model_type=family)))
+    if noise:
+        from mlx.utils import tree_map
+
+        model.update(tree_map(lambda w: w * (1 + noise * mx.random.normal(w.shape)), model.parameters()))
+    model.eval()
+    return model
+
+
+def recurrent_states(cache: list) -> list:
+    return [v for c in cache for s in layers(c) if isinstance(s, StepsCache) for v in s.cache]
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_state_after_rollback_equals_forward_over_accepted(family):
+    model = build(family)
+    ids = np.random.default_rng(0).integers(0, V, 40).tolist()
+    slot = KVSlot.fresh(model)
+    slot.extend(model, ids[:5])
+    for accepted in (3, 0, 6, 1):  # of 6 draft tokens: rollbacks into the verify forward, to either end of it
+        n = len(slot.tokens)
+        slot.verify(model, ids[n], TokenTree.of(ids[n + 1 : n + 7]))
+        slot.rewind(n + 1 + accepted)
+        ref = KVSlot.fresh(model)
+        ref.extend(model, ids[: n + 1 + accepted])
+        assert slot.tokens == ref.tokens
+        states, expected = recurrent_states(slot.cache), recurrent_states(ref.cache)
+        assert states and len(states) == len(expected)
+        for x, y in zip(states, expected):
+            assert mx.allclose(x, y, atol=1e-5).item()
+    nxt = mx.array([[ids[len(slot.tokens)]]])
+    assert mx.allclose(model(nxt, cache=slot.cache), model(nxt, cache=ref.cache), atol=1e-4).item()
+
+
+def plain(model, prompt: list[int], n: int) -> list[int]:
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=make_prompt_cache(model))
+    return [int(t) for t, _ in steps]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    return tiny["target"][1]
+
+
+PROMPTS = ["def add_1(x):\n    return x + 1\n\nprint(add_", "print(add_3(9))  # four\ndef "]
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_greedy_speculation_equals_plain_decoding(family, tok, tiny):
+    """Drafts from a noisy copy of the target (itself a hybrid: its own cache rolls back too) and
+    from context lookups; most are cut short, so the caches roll back every round."""
+    target, drafter = build(family), build(family, noise=0.1)
+    pair = make_pair(drafter, tok, target, tok)
+    cfg = SpecConfig(k=4, max_tokens=24, sources=("drafter", "context"), guard=False)
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        stats = SpecStats()
+        out = [t for new, _ in speculative_generate(pair, ids, ids, cfg, stats) for t in new]
+        assert out == plain(target, ids, len(out))
+        assert 0 < stats.accepted < stats.proposed
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2", "lfm2"])
+def test_batched_and_tree_requests_equal_plain_decoding(family, tok, tiny):
+    """Two replies verified together (each its own states) with tree drafting asked for (hybrids verify chains)."""
+    target = build(family)
+    pair = make_pair(tiny["same"][0], tok, target, tok)
+    cfg = SpecConfig(k=3, max_tokens=16, tree=True, guard=False)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    stats = [SpecStats() for _ in prompts]
+    decodings = [Decoding(pair, p, p, cfg, s) for p, s in zip(prompts, stats)]
+    outs = [[] for _ in prompts]
+    for taken in decode_together(decodings):
+        for i, (new, _) in taken.items():
+            outs[i] += new
+    for d in decodings:
+        d.close()
+    for p, out, s in zip(prompts, outs, stats):
+        assert out == plain(target, p, len(out))
+        assert s.branched == 0 and s.proposed > s.accepted
