@@ -44,8 +44,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.failpoints import failpoint
 from omnidraft_mlx.paths import LOCAL, Resolver, model_home
-from omnidraft_mlx.profile.atomic import atomic_write_text
+from omnidraft_mlx.profile.atomic import atomic_write_text, durable_replace
+from omnidraft_mlx.profile.digest import sampled_digest, weights_digest
 from omnidraft_mlx.profile.learned import Part, deferred_interrupt
 from omnidraft_mlx.vocab.ngram import NGramCache
 
@@ -68,20 +70,25 @@ def profile_dir(draft: str, target: str) -> Path:
 
 
 def model_identity(name: str, resolver: Resolver = LOCAL) -> str:
-    """What the weights are: the source GGUF's sha256 where known, else a digest
-    of a local model directory's config and weight files, else the name."""
+    """What the weights are: the source GGUF's sha256 where known, else a digest of a local
+    model directory's config and weight files, each read whole (digest.py), else the name."""
     if digest := resolver.source_digest(name):
         return f"gguf:{digest}"
     path = Path(name).expanduser()
     if not path.is_dir():
         return f"name:{name}"
-    h = hashlib.sha256()
-    for f in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            h.update(f.name.encode() + str(f.stat().st_size).encode() + fh.read(1 << 16))
-            fh.seek(max(0, f.stat().st_size - (1 << 16)))
-            h.update(fh.read())
-    return f"dir:{h.hexdigest()[:32]}"
+    return f"weights:{weights_digest(path)}"
+
+
+def same_model(recorded: str | None, name: str, resolver: Resolver = LOCAL) -> bool:
+    """Whether a profile's recorded identity is the model `name` now: as model_identity says, or
+    in the sampled form profiles recorded before it ("dir:"; their next save records the new one)."""
+    if recorded == model_identity(name, resolver):
+        return True
+    path = Path(name).expanduser()
+    return bool(
+        recorded and recorded.startswith("dir:") and path.is_dir() and recorded == f"dir:{sampled_digest(path)}"
+    )
 
 
 def _print_note(text: str) -> None:
@@ -168,6 +175,7 @@ class Profile:
             saved = _part_file(self.path, disk, name, part.suffix)
             if saved and saved != self.synced.get(name):
                 part.obj.merge(_read_part(self.path / saved, part.read))
+        failpoint("save")  # inside the lock and the deferred signals, with the parts merged
         version = max(disk.get("version", 0), disk.get("updates", 0)) + 1  # above older profiles' adapter-{update}
         files = dict(disk.get("files", {}))
         manifest = {
@@ -321,7 +329,7 @@ def _save_arrays(path: Path, arrays: dict) -> None:
         mx.save_safetensors(str(tmp), arrays)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        durable_replace(tmp, path)
     except RuntimeError as e:  # MLX reports write failures (disk full) this way
         free = shutil.disk_usage(path.parent).free
         raise OSError(28 if free < (1 << 20) else 5, f"{e} ({free} bytes free)") from e
@@ -355,7 +363,7 @@ def check_profile(manifest: dict, path: Path, draft: str, target: str, resolver:
     if manifest.get("format") != FORMAT:
         raise OmniDraftError(f"the profile in {path} has format {manifest.get('format')}, not {FORMAT}: {fix}")
     for role, name in (("draft", draft), ("target", target)):
-        if manifest.get(f"{role}_id") != model_identity(name, resolver):
+        if not same_model(manifest.get(f"{role}_id"), name, resolver):
             raise OmniDraftError(
                 f"the profile in {path} was made for another {role} model than '{name}' "
                 f"(its weights changed since): {fix}"

@@ -1,0 +1,94 @@
+"""What keeps learned state whole: signals held while it changes, a model's identity read from
+every byte of its weights (computed once per file version), old profiles still loading, and the
+failpoints the server tests aim."""
+
+import json
+import os
+import shutil
+import signal
+
+import pytest
+
+from omnidraft_mlx import failpoints
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.profile.learned import deferred_interrupt
+from omnidraft_mlx.profile.store import Profile, load_profile, model_identity, profile_dir
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_sigint_and_sigterm_are_held_until_the_block_ends(sig):
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as `omnidraft serve` does
+    try:
+        reached_end = False
+        with pytest.raises(KeyboardInterrupt):
+            with deferred_interrupt():
+                os.kill(os.getpid(), sig)
+                reached_end = True  # the signal did not cut the block short
+        assert reached_end
+        assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler  # handlers put back
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_failpoints_parse_and_aim(monkeypatch):
+    monkeypatch.setattr(failpoints, "_armed", failpoints._parse("verify@2,draft#BOOM,save~0.01"))
+    failpoints.failpoint("verify")  # the 1st hit passes
+    with pytest.raises(failpoints.FailpointError):
+        failpoints.failpoint("verify")
+    failpoints.failpoint("verify")  # only the 2nd
+    failpoints.failpoint("draft", "a quiet request")
+    with pytest.raises(failpoints.FailpointError):
+        failpoints.failpoint("draft", '[{"content": "BOOM"}]')
+    failpoints.failpoint("save")  # a stall, not an error
+    failpoints.failpoint("finish")  # not armed
+    with pytest.raises(ValueError, match="name\\[@n\\]"):
+        failpoints._parse("verify@x")
+
+
+def model_copy(tiny_dirs, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_dirs["target"], copy)
+    return copy
+
+
+def test_a_fine_tune_of_the_same_shape_is_another_model(tiny_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path / "home"))
+    model = model_copy(tiny_dirs, tmp_path)
+    before = model_identity(str(model))
+    assert before.startswith("weights:") and model_identity(str(model)) == before
+    (weights,) = model.glob("*.safetensors")
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2  # neither the first nor the last 64 KiB: the old identity missed this
+    data[middle] ^= 0xFF
+    stat = weights.stat()
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size, same mtime: the cached digest
+    assert model_identity(str(model)) == before
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # touched: read again
+    assert model_identity(str(model)) != before
+    cache = json.loads((tmp_path / "home" / "digests.json").read_text())
+    assert cache[str(weights.resolve())][:2] == [weights.stat().st_size, weights.stat().st_mtime_ns]
+
+
+def test_a_profile_with_the_old_sampled_identity_still_loads_and_is_migrated(tiny_dirs, tmp_path, monkeypatch):
+    from omnidraft_mlx.profile.digest import sampled_digest
+
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path / "home"))
+    model = str(model_copy(tiny_dirs, tmp_path))
+    profile = Profile(profile_dir(model, model), model, model)
+    profile.ngrams.add((5, 6), 7)
+    profile.save()
+    manifest_path = profile.path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    old = f"dir:{sampled_digest(tmp_path / 'model')}"
+    manifest["draft_id"] = manifest["target_id"] = old  # as a profile saved before the full digest
+    manifest_path.write_text(json.dumps(manifest))
+    loaded = load_profile(model, model)
+    assert len(loaded.ngrams) == len(profile.ngrams) > 0
+    loaded.save()
+    assert json.loads(manifest_path.read_text())["draft_id"] == model_identity(model)  # the new form from now on
+    manifest["draft_id"] = "dir:" + "0" * 32  # other weights, in the old form: still refused
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(OmniDraftError, match="another draft model"):
+        load_profile(model, model)
