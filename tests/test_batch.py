@@ -29,17 +29,16 @@ def prompts(pair, text):
     return encode_prompt(pair.draft_tok, msgs, True), encode_prompt(pair.target_tok, msgs, True)
 
 
-def alone(pair, text, cfg) -> list[int]:
-    return [t for new, _ in speculative_generate(pair, *prompts(pair, text), cfg, SpecStats()) for t in new]
+def alone(pair, text, cfg, stats: SpecStats | None = None) -> list[int]:
+    return [t for new, _ in speculative_generate(pair, *prompts(pair, text), cfg, stats or SpecStats()) for t in new]
 
 
-def together(pair, texts, cfgs, leave_after: dict | None = None) -> list[list[int]]:
-    """Each prompt's reply, all decoded in shared target forwards; leave_after[i] = rounds after
-    which reply i leaves the batch (a client that went away)."""
-    scheduler = Scheduler()
+def together(pair, texts, cfgs, leave_after: dict | None = None, stats: list | None = None) -> list[list[int]]:
+    """Each prompt's reply, all decoded in shared target forwards by one scheduler; leave_after[i] =
+    rounds after which reply i leaves the batch (a client that went away)."""
+    scheduler, stats = Scheduler(), stats or [SpecStats() for _ in texts]
     decodings = [
-        Decoding(pair, *prompts(pair, text), cfg, SpecStats(), scheduler=scheduler if not i else scheduler.fork())
-        for i, (text, cfg) in enumerate(zip(texts, cfgs))
+        Decoding(pair, *prompts(pair, text), cfg, s, scheduler=scheduler) for text, cfg, s in zip(texts, cfgs, stats)
     ]
     assert batchable([d.target for d in decodings])  # one forward for all, not one each
     batch, replies = list(decodings), {id(d): [] for d in decodings}
@@ -68,3 +67,15 @@ def test_a_reply_that_leaves_early_leaves_the_others_unchanged(cross):
     replies = together(cross, PROMPTS[:3], cfgs, leave_after={0: 2})
     assert replies[1:] == expected[1:3]
     assert replies[0] == expected[0][: len(replies[0])] and len(replies[0]) < len(expected[0])
+
+
+def test_one_scheduler_serves_replies_interleaved_round_by_round(cross):
+    """A round's state travels with the round and a reply's with the reply, so one scheduler serves
+    replies interleaved round by round (each proposed, then each settled): each makes what it makes
+    alone (one fixed draft a round: the same rounds too; every source under the guard: the same text)."""
+    for cfgs in ([settings(1.0, seed) for seed in (5, 6)], [SpecConfig(max_tokens=40)] * 2):
+        solo, mixed = [SpecStats() for _ in cfgs], [SpecStats() for _ in cfgs]
+        expected = [alone(cross, text, cfg, s) for text, cfg, s in zip(PROMPTS[:2], cfgs, solo)]
+        assert together(cross, PROMPTS[:2], cfgs, stats=mixed) == expected
+        if cfgs[0].sources == ("drafter",):
+            assert [s.by_source for s in mixed] == [s.by_source for s in solo]

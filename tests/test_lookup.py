@@ -29,11 +29,11 @@ def test_context_lookup_proposes_what_followed_the_longest_match():
     ctx = Context(prompt=[1, 2, 3, 9, 9, 2, 3, 4, 5, 1, 2, 3])
     draft = lookup.propose(ctx, limit=10)
     # "1 2 3" occurred at the start, followed by 9 9 2 3; the shorter "2 3" later, followed by 4 5.
-    assert draft.tokens == [9, 9, 2, 3] and draft.source == "context:3"
+    assert draft.tokens == (9, 9, 2, 3) and draft.source == "context:3"
     ctx.committed += [9, 9, 7]  # "9 7" is new; "7" never seen: nothing to propose
     assert lookup.propose(ctx, 10) is None
     ctx.committed += [1]  # "7 1" unseen, "1" seen last at position 9 (then 2 3 9 9 7)
-    assert lookup.propose(ctx, 3).tokens == [2, 3, 9] and lookup.propose(ctx, 3).source == "context:1"
+    assert lookup.propose(ctx, 3).tokens == (2, 3, 9) and lookup.propose(ctx, 3).source == "context:1"
 
 
 def test_context_lookup_follows_the_occurrence_that_matches_furthest_back():
@@ -42,7 +42,7 @@ def test_context_lookup_follows_the_occurrence_that_matches_furthest_back():
     lookup = ContextLookup(max_ngram=2, max_len=4)
     ctx = Context(prompt=[1, 2, 3, 4, 10, 11, 9, 3, 4, 20, 21, 1, 2, 3, 4])
     draft = lookup.propose(ctx, limit=10)
-    assert draft.tokens == [10, 11, 9, 3] and draft.source == "context:4"
+    assert draft.tokens == (10, 11, 9, 3) and draft.source == "context:4"
     # A long match is a class of its own: a copy under way holds far more often than a stray match.
     copy = list(range(100, 120))
     ctx = Context(prompt=copy + [7] + copy[:17])
@@ -137,7 +137,7 @@ def test_the_drafter_reads_a_guess_ahead_and_drafts_what_it_would_alone(cross, t
     assert read == alone and read_forwards < forwards
     if vocab == "same":
         assert read_forwards == 1
-    wrong = alone[:2] + [alone[2] + 1] + alone[3:]  # right up to its third token
+    wrong = alone[:2] + (alone[2] + 1,) + alone[3:]  # right up to its third token
     assert draft(wrong) == (alone, forwards - 1)  # the guess read once, then token by token
 
 
@@ -206,16 +206,17 @@ def test_a_drafter_that_caught_up_is_rated_in_step(guard):
     """Lookup rounds make 2 tokens/s, the drafter's usual round 8/s, its catch-up round 0.4/s:
     rated on the catch-up, a probing drafter always loses and is shut out."""
     scheduler, drafter, ctx = Scheduler(), Lagging(), Context([0])
-    scheduler.begin_reply([Repeat(), drafter], guard, ctx)
+    reply = scheduler.begin_reply([Repeat(), drafter], guard, ctx)
     chosen = []
     for _ in range(200):
-        draft = scheduler.propose(ctx, 8)
+        proposed = scheduler.propose(reply, ctx, 8)
+        draft = proposed.draft
         drafter.in_step &= draft.source == "drafter"
         tokens, seconds = {"context": (2, 1.0), "plain": (1, 1.0)}.get(
             draft.source, (4, 10.0 if draft.catch_up else 0.5)
         )
         scheduler.settle(
-            draft, tokens - 1, dict(tokens=tokens, round_s=seconds, verify_s=seconds), len(draft.tokens), 0
+            proposed, tokens - 1, dict(tokens=tokens, round_s=seconds, verify_s=seconds), len(draft.tokens), 0
         )
         chosen.append(draft.source)
     assert chosen[-100:].count("drafter") >= 90  # the others: plain probes of one round
@@ -245,15 +246,16 @@ def test_a_drafter_that_pays_on_average_keeps_its_rounds():
     drafter = Uneven(np.random.default_rng(0))
     chosen = []
     for _reply in range(40):  # one scheduler across replies, as chat and bench keep one
-        scheduler.begin_reply([drafter], True, ctx)
+        reply = scheduler.begin_reply([drafter], True, ctx)
         for _ in range(40):
-            draft = scheduler.propose(ctx, 8)
+            proposed = scheduler.propose(reply, ctx, 8)
+            draft = proposed.draft
             tokens, seconds = (drafter.tokens(), 1.7) if draft.source == "drafter" else (1, 1.0)
             scheduler.settle(
-                draft, tokens - 1, dict(tokens=tokens, round_s=seconds, verify_s=seconds), len(draft.tokens), 0
+                proposed, tokens - 1, dict(tokens=tokens, round_s=seconds, verify_s=seconds), len(draft.tokens), 0
             )
             chosen.append(draft.source)
-        scheduler.end_reply(ctx)
+        scheduler.end_reply(reply, ctx)
     late = chosen[len(chosen) // 2 :]
     assert late.count("drafter") >= 0.9 * len(late)
 
@@ -294,15 +296,18 @@ def test_lookups_are_judged_by_how_they_held_whether_verified_or_not(right):
     reply = list(range(100, 100 + 3000))
     scheduler, ctx = Scheduler(), Context([0])
     drafter = Steady(reply)
-    scheduler.begin_reply([Copy(reply, right), drafter], True, ctx)
+    sources = scheduler.begin_reply([Copy(reply, right), drafter], True, ctx)
     chosen = []
     while len(ctx.committed) < 2000:
-        draft = scheduler.propose(ctx, 8)
+        proposed = scheduler.propose(sources, ctx, 8)
+        draft = proposed.draft
         start = len(ctx.committed)
         held = next((i for i, t in enumerate(draft.tokens) if t != reply[start + i]), len(draft.tokens))
         verify_s = 1.0 + 0.1 * len(draft.tokens)
         round_s = verify_s + (0.3 if draft.source == "drafter" else 0.0)
-        scheduler.settle(draft, held, dict(tokens=held + 1, round_s=round_s, verify_s=verify_s), len(draft.tokens), 0)
+        scheduler.settle(
+            proposed, held, dict(tokens=held + 1, round_s=round_s, verify_s=verify_s), len(draft.tokens), 0
+        )
         ctx.committed += reply[start : start + held + 1]
         chosen.append(draft.source.split(":")[0])
     late = chosen[len(chosen) // 2 :]

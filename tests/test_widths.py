@@ -49,7 +49,7 @@ def padding_scheduler() -> Scheduler:
     """A scheduler told, firmly, that longer drafts verify faster: every draft is padded where a
     lookup has tokens."""
     scheduler = Scheduler()
-    scheduler.verify.seed({n: 1.0 - 0.01 * n for n in range(17)}, rounds=1e6)
+    scheduler.costs.seed({n: 1.0 - 0.01 * n for n in range(17)}, rounds=1e6)
     scheduler.measured = True
     return scheduler
 

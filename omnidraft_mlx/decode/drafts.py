@@ -8,7 +8,7 @@ context and in the user's history (lookup.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -36,20 +36,21 @@ def _nothing(accepted: int, timing: dict) -> None:
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class Draft:
-    """One round's proposal, in target tokens."""
+    """One round's proposal, in target tokens: a value. Padding, branches and the cut to the
+    token budget make new drafts (padded, branched, cut); the source's callbacks see the one it made."""
 
-    tokens: list[int]
+    tokens: tuple[int, ...]
     source: str
     # Sampling: the proposal distribution over the target vocabulary at position n for token t.
     # None: a point mass on each token (lookups; any greedy draft).
     q: Callable[[int, int], np.ndarray] | None = None
-    # Learn from the verification: (tokens accepted, the round's times and tokens emitted).
+    # Learn from the verification: (tokens accepted on the chain, the round's times and tokens emitted).
     settle: Callable[[int, dict], None] = _nothing
     drafted: int = 0  # drafter tokens behind the proposal
     forwards: int = 0  # drafter forwards paid for it
-    merged: list[bool] = field(default_factory=list)  # per token: an n-gram cache merge
+    merged: tuple[bool, ...] = ()  # per token: an n-gram cache merge
     # The source first caught up on text other sources drafted (the drafter's lazy re-sync):
     # this round cost more than its rounds usually do.
     catch_up: bool = False
@@ -59,9 +60,29 @@ class Draft:
     # Other continuations that may be verified beside the tokens, as a token tree (tree.py): each the
     # tokens it is expected to add and a function giving its target tokens from the root (translated
     # only if looked at); point masses. The scheduler keeps those that pay for the width they add.
-    branches: list[tuple[float, Callable[[], list[int]]]] = field(default_factory=list)
-    kept: list[tuple[float, list[int]]] = field(default_factory=list)  # the branches kept, translated
+    branches: tuple[tuple[float, Callable[[], list[int]]], ...] = ()
+    kept: tuple[tuple[float, tuple[int, ...]], ...] = ()  # the branches kept, translated
     expected: float = 0.0  # tokens the source expects to be accepted of its own (branches are judged against it)
+
+    def __post_init__(self):
+        # Sources may hand over lists: the value keeps tuples.
+        for name in ("tokens", "merged", "branches", "kept"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def padded(self, extra: list[int]) -> Draft:
+        """The draft with looked-up tokens after its own (replacing any padding it had)."""
+        return replace(self, tokens=self.tokens[: self.own] + tuple(extra), padding=len(extra))
+
+    def cut(self, n: int) -> Draft:
+        """The draft's first n tokens (the padding goes first) and the branches that fit in n."""
+        if n >= len(self.tokens) and all(len(path) <= n for _, path in self.kept):
+            return self
+        kept = tuple((score, path) for score, path in self.kept if len(path) <= n)
+        return replace(self, tokens=self.tokens[:n], padding=max(0, self.padding - len(self.tokens) + n), kept=kept)
+
+    def branched(self, kept: list[tuple[float, list[int]]]) -> Draft:
+        """The draft with the branches kept to verify beside its tokens."""
+        return replace(self, kept=tuple((score, tuple(path)) for score, path in kept))
 
     def tree(self) -> TokenTree:
         return TokenTree.of(self.tokens, [path for _, path in self.kept])
@@ -71,10 +92,12 @@ class Draft:
         """How many of the tokens are the source's own."""
         return len(self.tokens) - self.padding
 
-    def proposal(self, n: int, vocab: int) -> np.ndarray:
-        if self.q is not None and n < self.own:
-            return self.q(n, self.tokens[n])
-        return point_mass(self.tokens[n], vocab)
+    def proposal(self, node: int, token: int, vocab: int) -> np.ndarray:
+        """The proposal distribution at a node of the draft's tree: the source's at its own
+        tokens (sampling), a point mass at padding and branch nodes."""
+        if self.q is not None and node < self.own:
+            return self.q(node, token)
+        return point_mass(token, vocab)
 
 
 def point_mass(token: int, vocab: int) -> np.ndarray:
@@ -96,7 +119,7 @@ class DraftSource:
         source expects next (a model source may read them ahead in one forward)."""
         raise NotImplementedError
 
-    def extend(self, ctx: Context, draft: list[int], count: int) -> list[int]:
+    def extend(self, ctx: Context, draft: tuple[int, ...], count: int) -> list[int]:
         """Up to `count` tokens expected after the reply so far followed by `draft` (free sources)."""
         return []
 

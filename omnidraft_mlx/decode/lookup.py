@@ -44,11 +44,10 @@ class LookupSource(DraftSource):
             return None
 
         def settle(accepted: int, timing: dict) -> None:
-            held = accepted >= draft.own  # as verified: the loop may have cut the draft short
+            held = accepted >= len(tokens)  # (cut to the token budget, a draft that held ends the reply)
             self.length = min(4 * self.max_len, 2 * self.length) if held else self.max_len
 
-        draft = Draft(tokens, f"{self.name}:{match}", settle=settle)
-        return draft
+        return Draft(tokens, f"{self.name}:{match}", settle=settle)
 
 
 class ContextLookup(LookupSource):
@@ -84,9 +83,9 @@ class ContextLookup(LookupSource):
         tokens, match = self._follow(self.seq[-self.reach :], min(limit, self.length))
         return self.draft(tokens, match_class(match)) if tokens else None
 
-    def extend(self, ctx: Context, draft: list[int], count: int) -> list[int]:
+    def extend(self, ctx: Context, draft: tuple[int, ...], count: int) -> list[int]:
         self._catch_up(ctx)
-        return self._follow(self.seq[-self.reach :] + draft, count)[0]
+        return self._follow(self.seq[-self.reach :] + list(draft), count)[0]
 
     def _follow(self, tail: list[int], count: int) -> tuple[list[int], int]:
         """What followed the earlier occurrence of the longest n-gram ending tail whose match
@@ -208,8 +207,8 @@ class HistorySource(LookupSource):
     def propose(self, ctx: Context, limit: int, guess: list[int] = ()) -> Draft | None:
         return self.draft(*self.index.continuation(ctx.tail(self.index.order), min(limit, self.length)))
 
-    def extend(self, ctx: Context, draft: list[int], count: int) -> list[int]:
-        return self.index.continuation((ctx.tail(self.index.order) + draft)[-self.index.order :], count)[0]
+    def extend(self, ctx: Context, draft: tuple[int, ...], count: int) -> list[int]:
+        return self.index.continuation((ctx.tail(self.index.order) + list(draft))[-self.index.order :], count)[0]
 
     def end_reply(self, ctx: Context) -> None:
         """Index the reply (the prompt's last tokens as its first context)."""

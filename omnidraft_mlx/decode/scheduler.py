@@ -20,14 +20,14 @@ drafted costs more than its usual round and is not rated. The best lookup found
 is also the drafter's guess, read ahead in one forward (drafter.py). The chosen
 draft is padded with looked-up tokens to the length that verifies fastest (not
 monotone: widths.py). A scheduler outlives a reply (chat, serve and bench keep
-one), so a new reply starts from what the last ones measured. The measurements
+one), so a new reply starts from what the last ones measured, and serves any
+number of replies at once (serve's concurrent requests share what it measures). The measurements
 behind these choices: bench/results/free-drafts/README.md (design record).
 """
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omnidraft_mlx.decode.drafts import PLAIN, Context, Draft
 from omnidraft_mlx.decode.fit import VerifyCost
@@ -71,7 +71,30 @@ class Hold:
         self.held = decay * self.held + held
 
 
+@dataclass
+class ReplySources:
+    """One reply's part of the scheduling (begin_reply makes it): its draft sources, its guard,
+    and the lookups found for it not yet scored (kind, start in the reply, tokens)."""
+
+    sources: list
+    guard: bool
+    pending: list[tuple[str, int, tuple[int, ...]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round as proposed: the draft to verify and what settling it needs."""
+
+    draft: Draft
+    rival: float | None  # the best rate among the options not chosen
+    looked_up: bool  # the draft is a lookup (scored in shadow, not rated)
+
+
 class Scheduler:
+    """What the rounds measured (rates, hold rates, verification costs), shared by every reply it
+    serves, one at a time or interleaved round by round: a round's state travels in its Round, a
+    reply's in its ReplySources."""
+
     def __init__(
         self,
         decay: float = 0.95,
@@ -84,69 +107,55 @@ class Scheduler:
         self.probe_every, self.probe_rounds, self.max_wait = probe_every, probe_rounds, max_wait
         self.rates: dict[str, Rate] = {}
         self.holds: dict[str, Hold] = {}
-        self.verify = VerifyCost(decay)
-        self.pending: list[tuple[str, int, list[int]]] = []  # lookups found, not yet scored: kind, start, tokens
-        self.round = 0
-        self.sources: list = []
-        self.guard = True
-        self.rival: float | None = None  # the best rate among the options not chosen this round
-        self.looked_up = False  # this round verifies a lookup (scored in shadow, not rated)
+        self.costs = VerifyCost(decay)  # seconds to verify each draft length
+        self.round = 0  # rounds proposed, all replies together: the clock of rates and probes
         self.measured = False  # the verification cost per draft length seeded from widths.py
         self.branches = Hold()  # kept branches' scores (drafts) against the tokens they held (held)
 
-    def fork(self) -> Scheduler:
-        """A scheduler for a reply decoded beside this one's (concurrent requests): it starts
-        from what this one measured and keeps what it measures itself."""
-        other = copy.copy(self)
-        other.rates = {key: copy.copy(rate) for key, rate in self.rates.items()}
-        other.holds = {key: copy.copy(hold) for key, hold in self.holds.items()}
-        other.verify, other.branches = copy.deepcopy(self.verify), copy.copy(self.branches)
-        other.sources, other.pending = [], []
-        return other
-
-    def begin_reply(self, sources: list, guard: bool, ctx: Context, target=None, slot=None) -> None:
-        """This reply's sources (their prompt processing: prefill); given the target and its
-        cache, the first reply starts from the measured cost of each draft length (widths.py)."""
+    def begin_reply(self, sources: list, guard: bool, ctx: Context, target=None, slot=None) -> ReplySources:
+        """A reply's sources (their prompt processing: prefill); given the target and its cache,
+        the first reply starts from the measured cost of each draft length (widths.py)."""
         if target is not None and not self.measured:
-            self.verify.seed(verify_costs(target, slot))
+            self.costs.seed(verify_costs(target, slot))
             self.measured = True
-        self.sources, self.guard, self.pending = sources, guard, []
         for s in sources:
             s.start(ctx)
+        return ReplySources(sources, guard)
 
     def _rate(self, key: str) -> Rate:
         return self.rates.setdefault(key, Rate(wait=self.probe_every))
 
-    def _score(self, committed: list[int]) -> None:
-        """Score the lookups found earlier against what the target has written since."""
+    def _score(self, reply: ReplySources, committed: list[int]) -> None:
+        """Score the reply's lookups found earlier against what the target has written since."""
         waiting = []
-        for key, start, tokens in self.pending:
+        for key, start, tokens in reply.pending:
             written = committed[start : start + len(tokens)]
             held = common_prefix(tokens, written)
             if held < len(written) or len(written) == len(tokens):
                 self.holds.setdefault(key, Hold()).add(held, self.hold_decay)
             else:
                 waiting.append((key, start, tokens))
-        self.pending = waiting
+        reply.pending = waiting
 
     def _expected(self, draft: Draft, most: int) -> float | None:
         """Tokens per second a lookup is expected to make: its kind's held tokens, plus the
         target's own, over the time to verify it, padded (None: its kind never scored yet)."""
         hold = self.holds.get(draft.source)
-        seconds = self.verify.seconds(self.verify.cheapest_length(len(draft.tokens), most))
+        seconds = self.costs.seconds(self.costs.cheapest_length(len(draft.tokens), most))
         if hold is None or seconds is None or seconds <= 0:
             return None
         return (min(hold.held / hold.drafts, len(draft.tokens)) + 1) / seconds
 
-    def propose(self, ctx: Context, limit: int) -> Draft:
-        """The draft to verify this round (no tokens: a plain step)."""
+    def propose(self, reply: ReplySources, ctx: Context, limit: int) -> Round:
+        """This round of the reply, `limit` tokens left to write: the draft to verify, cut to leave
+        room for the target's own token (no tokens: a plain step)."""
         self.round += 1
-        self._score(ctx.committed)
+        self._score(reply, ctx.committed)
         # Free drafts first: they cost nothing to look at.
-        free = {d.source: d for s in self.sources if s.free and (d := s.propose(ctx, limit))}
-        self.pending += [(key, len(ctx.committed), d.tokens) for key, d in free.items()]
-        options = [(s.name, s) for s in self.sources if not s.free]
-        if self.guard or not (options or free):
+        free = {d.source: d for s in reply.sources if s.free and (d := s.propose(ctx, limit))}
+        reply.pending += [(key, len(ctx.committed), d.tokens) for key, d in free.items()]
+        options = [(s.name, s) for s in reply.sources if not s.free]
+        if reply.guard or not (options or free):
             options.append((PLAIN, None))
         measured = {key: rate for key, _ in options if (rate := self._rate(key).per_s()) is not None}
         expected = {key: rate for key, d in free.items() if (rate := self._expected(d, limit - 1)) is not None}
@@ -164,35 +173,32 @@ class Scheduler:
             choice = free[key]
         else:
             key, choice = next(o for o in options if o[0] == best) if best else options[0]
-        self.rival = max((rate for k, rate in everything.items() if k != key), default=None)
-        self.looked_up = key in free
         if choice is None:
-            draft = Draft([], PLAIN)
+            draft = Draft((), PLAIN)
+        elif isinstance(choice, Draft):
+            draft = choice
         else:
-            draft = (
-                choice if isinstance(choice, Draft) else choice.propose(ctx, limit, free[guess].tokens if guess else [])
-            )
-        draft = self._pad(draft, ctx, limit - 1)
-        self._branch(draft)
-        return draft
+            draft = choice.propose(ctx, limit, free[guess].tokens if guess else ())
+        draft = self._branch(self._pad(reply, draft, ctx, limit - 1)).cut(limit - 1)
+        rival = max((rate for k, rate in everything.items() if k != key), default=None)
+        return Round(draft, rival, looked_up=key in free)
 
-    def _pad(self, draft: Draft, ctx: Context, most: int) -> Draft:
+    def _pad(self, reply: ReplySources, draft: Draft, ctx: Context, most: int) -> Draft:
         """The draft padded with looked-up tokens to the length that verifies fastest, where that
         is longer: the extra tokens cost nothing and may hold."""
-        want = self.verify.cheapest_length(len(draft.tokens), most) - len(draft.tokens)
-        for s in self.sources if want > 0 else ():
+        want = self.costs.cheapest_length(len(draft.tokens), most) - len(draft.tokens)
+        for s in reply.sources if want > 0 else ():
             extra = s.extend(ctx, draft.tokens, want)
-            if extra:  # a new list: the lookups found this round keep theirs (self.pending)
-                draft.tokens, draft.padding = draft.tokens + extra, len(extra)
-                break
+            if extra:
+                return draft.padded(extra)
         return draft
 
-    def _branch(self, draft: Draft) -> None:
-        """Keep the draft's branches, most likely first, while each pays for the width it adds:
+    def _branch(self, draft: Draft) -> Draft:
+        """The draft with its branches kept, most likely first, while each pays for the width it adds:
         expected tokens (the draft's own, its branches', the target's) per second of verifying
         (translating a branch costs a tokenizer call: the rest are not looked at)."""
-        tree = TokenTree.of(draft.tokens)
-        tokens, seconds = draft.expected + 1, self.verify.seconds(len(draft.tokens))
+        tree, kept = TokenTree.of(draft.tokens), []
+        tokens, seconds = draft.expected + 1, self.costs.seconds(len(draft.tokens))
         # A source's scores are its own guesses: scaled by how branches have held (1 before any did).
         scale = (self.branches.held + 1) / (self.branches.drafts + 1)
         for score, translate in sorted(draft.branches, key=lambda b: -b[0]):
@@ -200,32 +206,34 @@ class Scheduler:
             width = len(tree.tokens) + tree.new_nodes(path)
             if width == len(tree.tokens):
                 continue  # the chain or a kept branch spells it already
-            cost = self.verify.seconds(width) if width <= MOST else None
+            cost = self.costs.seconds(width) if width <= MOST else None
             if cost is None or seconds is None or (tokens + scale * score) * seconds < tokens * cost:
                 break
             tree.add(path)
-            draft.kept.append((score, path))
+            kept.append((score, path))
             tokens, seconds = tokens + scale * score, cost
+        return draft.branched(kept) if kept else draft
 
-    def settle(self, draft: Draft, accepted: int, timing: dict, width: int, branch_held: int) -> None:
-        """Learn from a verified round (`accepted` of the draft's own tokens, `width` tokens verified,
+    def settle(self, proposed: Round, accepted: int, timing: dict, width: int, branch_held: int) -> None:
+        """Learn from a verified round (`accepted` tokens of its draft's chain, `width` tokens verified,
         `branch_held` tokens accepted on its branches): the source's own learning, the verification
         cost, how branches hold, the option's rate."""
+        draft = proposed.draft
         draft.settle(accepted, timing)
-        self.verify.add(width, timing["verify_s"])
+        self.costs.add(width, timing["verify_s"])
         if draft.kept:
             self.branches.add(branch_held, self.decay, drafts=sum(s for s, _ in draft.kept))
-        if draft.catch_up or self.looked_up:  # not rated: a catch-up costs more than the
+        if draft.catch_up or proposed.looked_up:  # not rated: a catch-up costs more than the
             return  # source's usual round; a lookup is judged by its kind's hold rate
         rate = self._rate(draft.source)
         rate.add(timing["tokens"], timing["round_s"], self.decay, self.round)
         if rate.trial:
             rate.trial -= 1
             if not rate.trial:  # the probe is over: judge it
-                lost = self.rival is not None and rate.per_s() < self.rival
+                lost = proposed.rival is not None and rate.per_s() < proposed.rival
                 rate.wait = min(2 * rate.wait, self.max_wait) if lost else self.probe_every
 
-    def end_reply(self, ctx: Context) -> None:
-        self._score(ctx.committed)
-        for s in self.sources:
+    def end_reply(self, reply: ReplySources, ctx: Context) -> None:
+        self._score(reply, ctx.committed)
+        for s in reply.sources:
             s.end_reply(ctx)

@@ -7,8 +7,8 @@ accepted and rolls its own caches back. A new request is admitted between rounds
 (its prefill then), so it starts after a round, not after the queue; beyond
 --batch, or when its caches at full length would not fit in --cache-bytes
 beside the active requests' (the prompt cache gives way to them), requests
-wait in order. The first active request uses the server's
-scheduler (what it measured across requests), the others a fork of it. The
+wait in order. Every request uses the server's one scheduler, so what it
+measured on each request serves them all. The
 engine runs in the main thread (MLX does all its work there: a process whose
 other threads ran a model aborts at exit). A client that disconnects leaves the
 queue, or frees its row at the next round. When no request is active and the
@@ -142,10 +142,8 @@ class Engine:
         if job.cancelled.is_set():
             self.cancelled += 1
             return
-        shared = self.decoder.scheduler
-        scheduler = shared.fork() if any(r.decoding.scheduler is shared for r in self.active) else shared
         try:
-            self.active.append(self.decoder.start(job, scheduler))
+            self.active.append(self.decoder.start(job, self.decoder.scheduler))
         except Exception as e:
             self._fail(job, e)
         # The prompt cache keeps what the active requests' caches leave of the budget.
