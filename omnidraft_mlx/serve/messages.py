@@ -36,6 +36,7 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     503: "overloaded_error",
 }
+SERVER_TOOLS = ("web_search", "web_fetch", "code_execution", "tool_search")  # type prefixes
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -49,7 +50,9 @@ def error_response(e: ApiError) -> JSONResponse:
 
 class MessagesRequest(BaseModel):
     """The body of POST /v1/messages (count_tokens: the same, max_tokens left out). Fields that do not
-    change the answer (metadata, service_tier, cache_control on blocks, ...) are accepted and ignored."""
+    change the answer (metadata, service_tier, cache_control on blocks, context_management,
+    output_config's effort, ...) are accepted and ignored; so is `thinking`: the target does not
+    think aloud, its replies have no thinking blocks (as a model without extended thinking)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -69,9 +72,16 @@ class MessagesRequest(BaseModel):
             raise ApiError(
                 400, "top_k: not supported (the reply is the target's own distribution); leave it out", "top_k"
             )
+        extra = self.model_extra or {}
         for name in ("mcp_servers", "container"):
-            if (self.model_extra or {}).get(name):
+            if extra.get(name):
                 raise ApiError(400, f"{name}: not supported by this server; leave it out", name)
+        if isinstance(extra.get("output_config"), dict) and extra["output_config"].get("format"):
+            raise ApiError(
+                400,
+                "output_config.format: not supported (this server does not constrain replies to JSON); leave it out",
+                "output_config.format",
+            )
 
 
 def text_of(content, where: str) -> str:
@@ -92,8 +102,8 @@ def message_list(req: MessagesRequest) -> list[dict]:
     out = [{"role": "system", "content": text_of(req.system, "system")}] if req.system else []
     for i, m in enumerate(req.messages):
         role, content, where = m.get("role"), m.get("content"), f"messages.{i}"
-        if role not in ("user", "assistant"):
-            raise ApiError(400, f"{where}.role: user or assistant", f"{where}.role")
+        if role not in ("user", "assistant", "system"):  # system: Claude Code's mid-conversation system messages
+            raise ApiError(400, f"{where}.role: user, assistant or system", f"{where}.role")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -125,11 +135,14 @@ def chat_tools(req: MessagesRequest) -> dict:
     """tools and tool_choice as the chat route takes them: auto, any (required), tool (by name), none."""
     tools = []
     for i, tool in enumerate(req.tools or []):
-        if tool.get("type", "custom") != "custom":
+        kind = tool.get("type", "custom")
+        if kind.startswith(SERVER_TOOLS):
+            continue  # a tool Anthropic's servers run: none runs here, so it is not offered to the model
+        if kind != "custom":
             raise ApiError(
                 400,
-                f"tools.{i}.type: '{tool['type']}' (a server tool) is not supported: only client tools",
-                f"tools.{i}",
+                f"tools.{i}.type: '{kind}' tools are not supported: only custom tools (name, input_schema)",
+                f"tools.{i}.type",
             )
         function = {
             "name": tool.get("name"),

@@ -35,6 +35,10 @@ UNSUPPORTED = {
 }
 
 
+# Tools the client runs but the model calls otherwise than by a function's JSON arguments.
+CLIENT_TOOLS = ("custom", "local_shell", "shell", "apply_patch", "computer_use_preview", "computer")
+
+
 class ResponsesRequest(BaseModel):
     """The body of POST /v1/responses. Fields that do not change the answer (store's others,
     metadata, user, parallel_tool_calls, reasoning, include, truncation, service_tier,
@@ -120,15 +124,30 @@ def input_messages(items: str | list[dict]) -> list[dict]:
     return out
 
 
-def chat_tools(req: ResponsesRequest) -> dict:
-    """tools and tool_choice as the chat route takes them (function tools only)."""
-    tools = []
-    for i, tool in enumerate(req.tools or []):
-        if tool.get("type") != "function":
+def function_tools(tools: list[dict], where: str = "tools") -> tuple[list[dict], dict[str, str]]:
+    """The function tools as the chat route takes them, those in namespaces too (with the
+    namespace of each such name). Hosted tools (web_search, file_search, code_interpreter, mcp, ...)
+    are tools the server would run itself; none runs here, so they are not offered to the model.
+    Client tools that are called otherwise than with JSON arguments (custom, local_shell, ...) get a 400."""
+    out, namespaces = [], {}
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind == "function":
+            out.append({"type": "function", "function": {k: v for k, v in tool.items() if k not in ("type", "strict")}})
+        elif kind == "namespace":
+            inner, _ = function_tools(tool.get("tools") or [], f"{where}.{i}.tools")
+            out += inner
+            namespaces.update((t["function"]["name"], tool.get("name")) for t in inner)
+        elif kind in CLIENT_TOOLS:
             raise ApiError(
-                400, f"tools.{i}.type: '{tool.get('type')}' tools are not supported: only function tools", f"tools.{i}"
+                400, f"{where}.{i}.type: '{kind}' tools are not supported: only function tools", f"{where}.{i}.type"
             )
-        tools.append({"type": "function", "function": {k: v for k, v in tool.items() if k not in ("type", "strict")}})
+    return out, namespaces
+
+
+def chat_tools(req: ResponsesRequest) -> dict:
+    """tools and tool_choice as the chat route takes them."""
+    tools, _ = function_tools(req.tools or [])
     choice = req.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function":
@@ -170,6 +189,7 @@ class Reply:
     events on the way (each numbered, as the API numbers them)."""
 
     def __init__(self, req: ResponsesRequest, model: str):
+        self.namespaces = function_tools(req.tools or [])[1]  # a call to a namespaced function names it
         self.head = {
             "id": "resp_" + secrets.token_hex(12),
             "object": "response",
@@ -247,6 +267,8 @@ class Reply:
                 "arguments": call["function"]["arguments"],
                 "status": "completed",
             }
+            if item["name"] in self.namespaces:
+                item["namespace"] = self.namespaces[item["name"]]
             index, where = len(self.output), {"item_id": item["id"], "output_index": len(self.output)}
             events += [
                 self.event(

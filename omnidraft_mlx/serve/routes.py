@@ -128,6 +128,10 @@ def make_app(engine) -> FastAPI:
             "prompt_cache_bytes": engine.decoder.prompt_cache.nbytes,
         }
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():  # clients check that the server answers (Claude Code sends HEAD /)
+        return {"status": "ok"}
+
     @app.get("/v1/models")
     async def models():
         return {
