@@ -200,7 +200,7 @@ def test_state_after_rollback_equals_forward_over_accepted(family):
     slot.extend(model, ids[:5])
     for accepted in (3, 0, 6, 1):  # of 6 draft tokens: rollbacks into the verify forward, to either end of it
         n = len(slot.tokens)
-        slot.verify(model, ids[n], TokenTree.of(ids[n + 1 : n + 7]))
+        slot.forward_tree(model, ids[n], TokenTree.of(ids[n + 1 : n + 7]))
         slot.rewind(n + 1 + accepted)
         ref = KVSlot.fresh(model)
         ref.extend(model, ids[: n + 1 + accepted])

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models import gemma3_text, llama, qwen2
 from mlx_lm.models.cache import QuantizedKVCache
 
-from omnidraft_mlx.decode.batch import batch_verify
+from omnidraft_mlx.decode.batch import forward_trees
 from omnidraft_mlx.decode.kvcache import KVSlot, make_cache, prefill
 from omnidraft_mlx.decode.tree import PositionsRoPE, TokenTree, keep_path, tree_forward
 
@@ -141,8 +141,8 @@ def slots_for(model, rows) -> list[KVSlot]:
 
 def test_a_batched_forward_gives_each_row_its_own_forward(model):
     solo, batched = slots_for(model, ROWS), slots_for(model, ROWS)
-    alone = [slot.verify(model, 3, tree) for slot, (_, tree) in zip(solo, ROWS)]
-    together = batch_verify(model, batched, [3] * len(ROWS), [tree for _, tree in ROWS])
+    alone = [slot.forward_tree(model, 3, tree) for slot, (_, tree) in zip(solo, ROWS)]
+    together = forward_trees(model, batched, [3] * len(ROWS), [tree for _, tree in ROWS])
     for a, b, (_, tree) in zip(alone, together, ROWS):
         assert b.shape == (len(tree.tokens) + 1, VOCAB)
         assert mx.allclose(a, b, atol=1e-4).item()
@@ -181,7 +181,7 @@ def test_an_exception_leaves_the_caches_as_they_were(model):
         with pytest.raises(MemoryError):
             tree_forward(model, cache, 3, TREE)
         with pytest.raises(MemoryError):
-            batch_verify(model, slots, [3] * len(ROWS), [tree for _, tree in ROWS])
+            forward_trees(model, slots, [3] * len(ROWS), [tree for _, tree in ROWS])
     finally:
         layers[-1] = last
     assert [c.offset for c in cache] == before

@@ -6,7 +6,7 @@ RowsView: every row's new keys and values go into that row's cache, and attentio
 reads the rows' caches padded to the longest, with a mask per row (its cached
 prefix, within the window, and its tree's ancestors; padding masked out) and a
 position per token (its prefix length plus its depth). So a row's logits are those
-of its own forward, and afterwards its cache is exactly what KVSlot.verify leaves.
+of its own forward, and afterwards its cache is exactly what KVSlot.forward_tree leaves.
 The copy into the padded batch costs a pass over the rows' caches per forward.
 """
 
@@ -55,12 +55,12 @@ def batchable(slots: list[KVSlot]) -> bool:
     return all(isinstance(c, KVCache) for slot in slots for c in slot.cache)
 
 
-def batch_verify(model, slots: list[KVSlot], roots: list[int], trees: list[TokenTree]) -> list[mx.array]:
-    """KVSlot.verify for each (slot, root, tree), in one forward where the caches allow (else one
+def forward_trees(model, slots: list[KVSlot], roots: list[int], trees: list[TokenTree]) -> list[mx.array]:
+    """KVSlot.forward_tree for each (slot, root, tree), in one forward where the caches allow (else one
     forward each): each row's logits after its root and each of its nodes. On an exception
     every cache holds what it held before."""
     if len(slots) == 1 or not batchable(slots):
-        return [slot.verify(model, root, tree) for slot, root, tree in zip(slots, roots, trees)]
+        return [slot.forward_tree(model, root, tree) for slot, root, tree in zip(slots, roots, trees)]
     rows = [tree.rows() for tree in trees]
     lengths = [slot.cache[0].offset for slot in slots]
     n = max(len(depth) for depth, _ in rows)
@@ -84,11 +84,11 @@ def batch_verify(model, slots: list[KVSlot], roots: list[int], trees: list[Token
     return [out[i, : len(depth)] for i, (depth, _) in enumerate(rows)]
 
 
-def verify_together(decodings: list, trees: list[TokenTree]) -> list[tuple[mx.array, float]]:
+def forward_rounds(decodings: list, trees: list[TokenTree]) -> list[tuple[mx.array, float]]:
     """The target's verification of each planned Decoding (speculative.py) in one forward: per
     decoding, its logits and its share of the forward's seconds (by its rows), for take()."""
     t0 = time.perf_counter()
-    outs = batch_verify(decodings[0].pair.target, [d.target for d in decodings], [d.y for d in decodings], trees)
+    outs = forward_trees(decodings[0].pair.target, [d.target for d in decodings], [d.y for d in decodings], trees)
     mx.eval(outs)
     seconds, widths = time.perf_counter() - t0, [len(tree.tokens) + 1 for tree in trees]
     return [(out, seconds * width / sum(widths)) for out, width in zip(outs, widths)]

@@ -124,7 +124,7 @@ class KVSlot:
         self.tokens += ids
         return prefill(model, self.cache, ids, rows)
 
-    def verify(self, model, root: int, tree: TokenTree) -> mx.array:
+    def forward_tree(self, model, root: int, tree: TokenTree) -> mx.array:
         """The model's logits after the root and after each of the tree's nodes (one forward)."""
         if not tree.is_chain and is_recurrent(self.cache):
             # A branch's recurrent state would depend on its own path: verify the chain (the tree cut in place).
@@ -137,7 +137,7 @@ class KVSlot:
         return out
 
     def keep_path(self, tree: TokenTree, path: list[int]) -> None:
-        """After verify: keep the root and the accepted path's nodes, in order."""
+        """After forward_tree: keep the root and the accepted path's nodes, in order."""
         start = len(self.tokens) - len(tree.tokens)
         keep_path(self.cache, start, path)
         self.tokens[start : start + len(path)] = [tree.tokens[i] for i in path]

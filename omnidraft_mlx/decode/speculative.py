@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_top_p
 
-from omnidraft_mlx.decode.batch import verify_together
+from omnidraft_mlx.decode.batch import forward_rounds
 from omnidraft_mlx.decode.drafter import DrafterSource, softmax
 from omnidraft_mlx.decode.drafts import SOURCES, Context, Draft, check_sources
 from omnidraft_mlx.decode.kvcache import KVSlot
@@ -190,7 +190,7 @@ def make_sources(
 
 class Decoding:
     """One reply's decode, a round at a time: plan() the round's draft tree, the target
-    verifies it (KVSlot.verify, alone, or batched with other replies: batch.py), take()
+    verifies it (KVSlot.forward_tree, alone, or batched with other replies: batch.py), take()
     its logits. Prefill happens on construction; close() when done or abandoned.
 
     Given slots, their caches are reused (common prefix kept); afterwards each holds what
@@ -280,7 +280,7 @@ def decode_together(decodings: list[Decoding]) -> Iterator[dict[int, tuple[list[
     decodings is the caller's."""
     while active := [(i, d) for i, d in enumerate(decodings) if not d.done]:
         trees = [d.plan() for _, d in active]
-        verified = verify_together([d for _, d in active], trees)
+        verified = forward_rounds([d for _, d in active], trees)
         yield {i: d.take(out, seconds) for (i, d), (out, seconds) in zip(active, verified)}
 
 

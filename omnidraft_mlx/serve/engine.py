@@ -151,7 +151,7 @@ class Engine:
 
     def _round(self) -> None:
         """One round of every active job: plan the drafts, verify them in one target forward, take."""
-        from omnidraft_mlx.decode.batch import verify_together
+        from omnidraft_mlx.decode.batch import forward_rounds
 
         planned = []
         for running in list(self.active):
@@ -166,7 +166,7 @@ class Engine:
             return
         self.most_active = max(self.most_active, len(planned))
         try:
-            verified = verify_together([r.decoding for r, _ in planned], [tree for _, tree in planned])
+            verified = forward_rounds([r.decoding for r, _ in planned], [tree for _, tree in planned])
         except Exception as e:  # the caches hold what they held before: every job in the forward fails
             for running, _ in planned:
                 self._drop(running, e)
