@@ -19,14 +19,15 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from omnidraft_mlx.decode.kvcache import KVSlot
+from omnidraft_mlx.decode.layouts import batch_layout, takes_trees
 from omnidraft_mlx.decode.tree import TokenTree, positions_rope, tree_mask
 
 
 class RowsView:
     """One layer's caches of the batch's rows, seen as one cache by the model's attention."""
 
-    def __init__(self, caches: list, lengths: list[int], rows: list[tuple[np.ndarray, np.ndarray]]):
-        self.caches, self.lengths, self.rows = caches, lengths, rows
+    def __init__(self, caches: list, lengths: list[int], rows: list[tuple[np.ndarray, np.ndarray]], layout: str):
+        self.caches, self.lengths, self.rows, self.layout = caches, lengths, rows, layout
         self.offset = max(lengths)  # unused by attention (positions_rope and make_mask stand in)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -47,7 +48,7 @@ class RowsView:
         for i, (length, (depth, ancestors)) in enumerate(zip(self.lengths, self.rows)):
             own = np.array(tree_mask(length, depth, ancestors, window))
             mask[i, 0, : own.shape[0], : own.shape[1]] = own
-        return mx.array(mask)
+        return mx.array(mask[:, :, None] if self.layout == "5d" else mask)
 
 
 def batchable(slots: list[KVSlot]) -> bool:
@@ -56,11 +57,19 @@ def batchable(slots: list[KVSlot]) -> bool:
 
 
 def forward_trees(model, slots: list[KVSlot], roots: list[int], trees: list[TokenTree]) -> list[mx.array]:
-    """KVSlot.forward_tree for each (slot, root, tree), in one forward where the caches allow (else one
-    forward each): each row's logits after its root and each of its nodes. On an exception
-    every cache holds what it held before."""
-    if len(slots) == 1 or not batchable(slots):
+    """KVSlot.forward_tree for each (slot, root, tree), in one forward where the caches and the model
+    allow (layouts.py; else one forward each): each row's logits after its root and each of its
+    nodes. On an exception every cache holds what it held before."""
+    one_by_one = len(slots) == 1 or not batchable(slots)
+    one_by_one = one_by_one or (not all(t.is_chain for t in trees) and not takes_trees(model))
+    layout = None if one_by_one else batch_layout(model)
+    if layout is None:
         return [slot.forward_tree(model, root, tree) for slot, root, tree in zip(slots, roots, trees)]
+    return batch_forward(model, slots, roots, trees, layout)
+
+
+def batch_forward(model, slots: list[KVSlot], roots: list[int], trees: list[TokenTree], layout: str) -> list:
+    """One forward over every slot's root and tree, its mask in the given layout (layouts.py)."""
     rows = [tree.rows() for tree in trees]
     lengths = [slot.cache[0].offset for slot in slots]
     n = max(len(depth) for depth, _ in rows)
@@ -69,7 +78,9 @@ def forward_trees(model, slots: list[KVSlot], roots: list[int], trees: list[Toke
     for i, (root, tree, (depth, _), length) in enumerate(zip(roots, trees, rows, lengths)):
         inputs[i, : len(depth)] = [root, *tree.tokens]
         positions[i, : len(depth)] = length + depth
-    views = [RowsView([slot.cache[layer] for slot in slots], lengths, rows) for layer in range(len(slots[0].cache))]
+    views = [
+        RowsView([slot.cache[layer] for slot in slots], lengths, rows, layout) for layer in range(len(slots[0].cache))
+    ]
     try:
         with positions_rope(model, mx.array(positions)):
             out = model(mx.array(inputs), cache=views)

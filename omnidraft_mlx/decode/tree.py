@@ -16,7 +16,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+
+from omnidraft_mlx.anatomy import context_length
+from omnidraft_mlx.decode.layouts import chains_forward, takes_trees
 
 
 @dataclass
@@ -102,18 +106,51 @@ class PositionsRoPE:
         return y.reshape(B, N, H, D).transpose(0, 2, 1, 3)
 
 
+class PositionsTable:
+    """A learned position table (gpt2's wpe) that looks up the given positions, whatever ids the
+    model computed from its cache's offset."""
+
+    def __init__(self, table, positions: mx.array):
+        self.table, self.positions = table, positions
+
+    def __call__(self, ids) -> mx.array:
+        return self.table(self.positions)
+
+
+def _is_rope(module) -> bool:
+    """A rotary embedding, by its type: nn.RoPE, or any class named for it (mlx-lm's rope_utils and
+    the families' own: SuScaledRoPE, YarnRoPE, Llama3RoPE, ...), whatever attribute holds it."""
+    name = type(module).__name__.lower()
+    return isinstance(module, nn.RoPE) or "rope" in name or "rotary" in name
+
+
+def _position_modules(model) -> list[tuple[object, object, object]]:
+    """(parent, key, module) of every rotary embedding and learned position table in the model."""
+    context = context_length(model)
+    found = []
+    for path, module in model.named_modules():
+        table = isinstance(module, nn.Embedding) and context is not None and module.weight.shape[0] == context
+        if path and (table or _is_rope(module)):
+            *up, key = path.split(".")
+            parent = model
+            for k in up:
+                parent = parent[int(k)] if isinstance(parent, list) else parent[k]
+            found.append((parent, int(key) if isinstance(parent, list) else key, module))
+    return found
+
+
 @contextmanager
 def positions_rope(model, positions: mx.array):
-    """For one forward: token (b, i) at position positions[b, i] in every attention's rope."""
-    ropes = [m for _, m in model.named_modules() if isinstance(m, dict) and "rope" in m]
-    originals = [m["rope"] for m in ropes]
-    for m in ropes:
-        m["rope"] = PositionsRoPE(m["rope"], positions)
+    """For one forward: token (b, i) at position positions[b, i] in every rotary embedding and
+    learned position table (found by type, under any name)."""
+    found = _position_modules(model)
+    for parent, key, module in found:
+        parent[key] = (PositionsTable if isinstance(module, nn.Embedding) else PositionsRoPE)(module, positions)
     try:
         yield
     finally:
-        for m, rope in zip(ropes, originals):
-            m["rope"] = rope
+        for parent, key, module in found:
+            parent[key] = module
 
 
 @contextmanager
@@ -136,12 +173,15 @@ def tree_attention(model, cache: list, tree: TokenTree):
 
 def tree_forward(model, cache: list, root: int, tree: TokenTree) -> mx.array:
     """The target's logits for each row of [root, *tree.tokens], written into its cache; a
-    chain takes the plain path. On an exception the caches hold what they held before."""
+    chain takes the plain path, a model that takes no trees (layouts.py) one path per leaf. On
+    an exception the caches hold what they held before."""
     offset = cache[0].offset
     inputs = mx.array([root, *tree.tokens])[None]
     try:
         if tree.is_chain:
             return model(inputs, cache=cache)[0]
+        if not takes_trees(model):
+            return chains_forward(model, cache, root, tree)
         with tree_attention(model, cache, tree):
             out = model(inputs, cache=cache)[0]
             mx.eval(out)
