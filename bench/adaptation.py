@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from omnidraft_mlx.bench.report import record_speedup
-from omnidraft_mlx.bench.run import Decoding, Method, environment_base, rotated, run_one
+from omnidraft_mlx.bench.run import DecodeSettings, Method, environment_base, rotated, run_one
 from omnidraft_mlx.tasks import load_task
 
 DRAFT, TARGET = "smollm2-135m", "qwen2.5-coder-0.5b"
@@ -58,7 +58,7 @@ def evaluate(conditions: dict, prompts: list, k: int, max_tokens: int) -> list[d
             pair, cache, translation = conditions[name]
             pair = replace(pair, ngrams=copy.deepcopy(cache), spelled=set())
             method = Method(name, "plain") if translation is None else Method(name, "ours", k, translation)
-            rec = run_one(pair, method, prompt, Decoding(max_tokens))
+            rec = run_one(pair, method, prompt, DecodeSettings(max_tokens))
             rec.pop("output")
             records.append(rec)
             print(f"{prompt.id} {name}: acceptance {rec['acceptance']} tok/s {rec['tokens_per_s']:.2f}", flush=True)
@@ -193,7 +193,7 @@ def _warm(pair) -> None:
     from omnidraft_mlx.tasks import Prompt
 
     for m in (Method("plain", "plain"), Method("w", "ours", 3, "text")):
-        run_one(pair, m, Prompt("warmup", "chat", WARMUP_PROMPT), Decoding(WARMUP_TOKENS))
+        run_one(pair, m, Prompt("warmup", "chat", WARMUP_PROMPT), DecodeSettings(WARMUP_TOKENS))
 
 
 def _save(path: Path, data: dict) -> None:

@@ -21,7 +21,15 @@ import mlx.core as mx
 import numpy as np
 
 from omnidraft_mlx.bench.report import prompt_speedup, record_speedup
-from omnidraft_mlx.bench.run import BenchConfig, Decoding, Method, environment_base, rotated, run_one, select_prompts
+from omnidraft_mlx.bench.run import (
+    BenchConfig,
+    DecodeSettings,
+    Method,
+    environment_base,
+    rotated,
+    run_one,
+    select_prompts,
+)
 from omnidraft_mlx.decode.kvcache import make_cache, prefill
 from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.timing import forward_seconds
@@ -62,7 +70,7 @@ def decode_all(pairs: dict, methods: list[tuple[str, Method]], prompts, max_toke
 
     warm = Prompt("warmup", "chat", "Say hello.")
     for label, method in methods:  # first calls allocate; keep them out of the numbers
-        run_one(pairs[label], method, warm, Decoding(4))
+        run_one(pairs[label], method, warm, DecodeSettings(4))
     task = progress.add_task("decode", total=len(prompts) * len(methods)) if progress else None
     records = []
     for i, prompt in enumerate(prompts):
@@ -70,7 +78,7 @@ def decode_all(pairs: dict, methods: list[tuple[str, Method]], prompts, max_toke
         for label, method in rotated(methods, i):
             if progress:
                 progress.update(task, description=f"{prompt.id} {label}")
-            record = run_one(pairs[label], method, prompt, Decoding(max_tokens))
+            record = run_one(pairs[label], method, prompt, DecodeSettings(max_tokens))
             done[label] = {**record, "method": label}
             if progress:
                 progress.advance(task)

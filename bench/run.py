@@ -52,7 +52,7 @@ from omnidraft_mlx.decode.speculative import SAMPLING_MODES, SpecConfig, SpecSta
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.paths import model_home
 from omnidraft_mlx.profile.store import load_head
-from omnidraft_mlx.settings import check_choice, check_range
+from omnidraft_mlx.settings import check_range, check_settings, setting
 from omnidraft_mlx.tasks import TASKS, Prompt, check_task, load_task
 
 WARMUP_PROMPT = "Say hello."
@@ -65,26 +65,28 @@ SERVED_TASKS = ("agent",)  # our methods decode these as the server does (Servin
 BENCH_SOURCES = {"drafter": ("drafter",), "lookup": ("context", "history"), "fused": SOURCES}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BenchConfig:
     draft: str
     target: str
     tasks: list[str]
-    ks: list[int] = field(default_factory=lambda: [3, 4, 5])
-    translations: list[str] = field(default_factory=lambda: ["text"])  # greedy runs
-    samplings: list[str] = field(default_factory=lambda: ["exact"])  # sampled runs (temp > 0)
-    prompts: int = 6  # held-out prompts per task
-    max_tokens: int = 96
+    ks: list[int] = setting(flag="--k", low=1, factory=lambda: [3, 4, 5])
+    translations: list[str] = setting(flag="--translation", choices=("text", "tokens"), factory=lambda: ["text"])
+    samplings: list[str] = setting(flag="--sampling", choices=SAMPLING_MODES, factory=lambda: ["exact"])  # temp > 0
+    prompts: int = setting(6, flag="--prompts", low=1)  # held-out prompts per task
+    max_tokens: int = setting(96, flag="--max-tokens", low=1)
     shortest: bool = False  # pick the shortest held-out prompts (--quick)
     use_profile: bool = True  # load the pair's saved profile (adapter, n-gram cache)
     mlx_lm: bool = True  # add mlx-lm's speculative decoding where the vocabularies match
     time_limit_s: float | None = None  # start no new prompt after this long (whole prompts only)
-    policies: list[str] = field(default_factory=list)  # adaptive draft-length policies to add
-    gammas: list[float | None] = field(default_factory=lambda: [None])  # the learned policy's thresholds (None: auto)
-    sources: list[str] = field(default_factory=lambda: ["drafter"])  # BENCH_SOURCES: one family of methods each
+    policies: list[str] = setting(flag="--policy", choices=BENCH_POLICIES, factory=list)  # adaptive ones to add
+    # The learned policy's thresholds (None: auto).
+    gammas: list[float | None] = setting(flag="--gamma", low=0.0, high=1.0, factory=lambda: [None])
+    # One family of methods each.
+    sources: list[str] = setting(flag="--source", choices=BENCH_SOURCES, factory=lambda: ["drafter"])
     guards: list[bool] = field(default_factory=lambda: [True])  # lookup and fused methods: with the guard, without
     trees: list[bool] = field(default_factory=lambda: [False])  # drafter and fused methods: token trees (-tree), chains
-    temp: float = 0.0  # > 0: sampled decoding (plain samples alike; outputs compared by distribution)
+    temp: float = setting(0.0, flag="--temp", low=0)  # > 0: sampled decoding (outputs compared by distribution)
     seed: int = 0  # prompt i samples with seed + i (every method alike)
     prompts_file: str | None = None  # the user's prompts (JSONL), task "file"
     fixed: bool = True  # drafter methods per --k (else only the --policy ones)
@@ -94,38 +96,23 @@ class BenchConfig:
             raise OmniDraftError(f"no task to run: use --task {', '.join(BENCH_TASKS)} or all, or --prompts-file")
         for task in self.tasks:
             check_task(task, BENCH_TASKS)
-        for source in self.sources:
-            check_choice("--source", source, BENCH_SOURCES)
-        check_range("--temp", self.temp, 0)
         if not self.ks:
             raise OmniDraftError("--k needs draft lengths, e.g. --k 3,4,5")
-        for k in self.ks:
-            check_range("--k", k, 1)
-        for translation in self.translations:
-            check_choice("--translation", translation, ("text", "tokens"))
-        for sampling in self.samplings:
-            check_choice("--sampling", sampling, SAMPLING_MODES)
+        check_settings(self)
         if self.temp == 0 and self.samplings != ["exact"]:
             raise OmniDraftError("--sampling compares sampled decoding: add --temp, e.g. --temp 0.7")
-        for policy in self.policies:
-            check_choice("--policy", policy, BENCH_POLICIES)
-        for gamma in self.gammas:
-            if gamma is not None:
-                check_range("--gamma", gamma, 0.0, 1.0)
-        check_range("--prompts", self.prompts, 1)
-        check_range("--max-tokens", self.max_tokens, 1)
         if self.time_limit_s is not None:
             check_range("--time-limit", self.time_limit_s / 60, 0.0, open_low=True)  # set in minutes
 
 
 @dataclass(frozen=True)
-class Decoding:
+class DecodeSettings:
     """What every decode of a run shares."""
 
     max_tokens: int
     temp: float = 0.0
     seed: int = 0
-    history: object = None  # the profile's lookup.HistoryIndex, read only (None: no history)
+    history: HistoryIndex | None = None  # the profile's, read only (None: no history)
 
 
 @dataclass(frozen=True)
@@ -315,7 +302,7 @@ def _run_ours(
     draft_ids,
     target_ids,
     method: Method,
-    run: Decoding,
+    run: DecodeSettings,
     policy: DraftPolicy,
     scheduler: Scheduler | None,
     serving: Serving | None = None,
@@ -449,7 +436,7 @@ def run_one(
     pair,
     method: Method,
     prompt: Prompt,
-    run: Decoding,
+    run: DecodeSettings,
     policy: DraftPolicy | None = None,
     scheduler: Scheduler | None = None,
     prefix: TargetPrefix | None = None,
@@ -593,7 +580,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     methods = methods_for(cfg, pair.vmap.same_vocab)
     policies = make_policies(cfg, methods, profile, pair.vmap)
     ngrams_at_start, env = len(pair.ngrams), environment(cfg)
-    run = Decoding(cfg.max_tokens, cfg.temp, cfg.seed, history)
+    run = DecodeSettings(cfg.max_tokens, cfg.temp, cfg.seed, history)
 
     warm = Prompt("warmup", "chat", WARMUP_PROMPT)
     for method in methods:  # first calls allocate; keep them out of the numbers

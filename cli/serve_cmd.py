@@ -1,6 +1,6 @@
 """`omnidraft serve`: an OpenAI-compatible server that speculates, caches prompts and learns.
 
-The server is omnidraft_mlx/server.py; this parses the flags and prints where it listens.
+The server is omnidraft_mlx/serve/server.py; this parses the flags and prints where it listens.
 """
 
 from __future__ import annotations
@@ -9,19 +9,11 @@ import typer
 
 from omnidraft_mlx.cli import options
 from omnidraft_mlx.decode.promptcache import DEFAULT_CACHE_BYTES
-from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
 def serve(
-    draft: str = typer.Option(
-        DEFAULT_DRAFT, "--draft", "-d", help="Drafter: catalog name, directory, .gguf or hub id."
-    ),
-    target: str = typer.Option(
-        DEFAULT_TARGET,
-        "--target",
-        "-t",
-        help="Target: catalog name, directory, .gguf or hub id; the model name clients ask for.",
-    ),
+    draft: str = options.DRAFT,
+    target: str = options.TARGET,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
     api_key: str | None = typer.Option(
@@ -33,11 +25,9 @@ def serve(
         help="Memory for KV caches (both models'), in bytes: the requests being "
         "decoded first, cached prompts in what they leave.",
     ),
-    k: int = typer.Option(4, "--k", "-k", help="Draft tokens per round."),
-    policy: str = typer.Option("learned", "--policy", help="Draft length: learned, fixed, confidence or heuristic."),
-    gamma: str = typer.Option(
-        "auto", "--gamma", help="Learned policy: stop drafting when P(a rejection) exceeds this."
-    ),
+    k: int = options.K,
+    policy: str = options.POLICY,
+    gamma: str = options.GAMMA,
     max_tokens: int = typer.Option(512, "--max-tokens", help="Reply length when a request does not say."),
     adapt: bool = typer.Option(
         True, "--adapt/--no-adapt", help="Update the drafter from the replies, between requests."
@@ -52,9 +42,10 @@ def serve(
         help="Requests decoded together (their drafts verified in one "
         "target forward); more wait in a queue. 1: one at a time.",
     ),
-    no_profile: bool = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile."),
+    no_profile: bool = options.NO_PROFILE,
 ) -> None:
-    """Serve TARGET, DRAFT speculating, over the OpenAI HTTP API (/v1/chat/completions, /v1/completions)."""
+    """Serve TARGET (the model name clients ask for), DRAFT speculating, over the OpenAI HTTP API
+    (/v1/chat/completions, /v1/completions)."""
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
     from omnidraft_mlx.decode.policy import PolicyConfig, check_policy, parse_gamma
@@ -69,19 +60,19 @@ def serve(
         name=check_policy(policy), k=k, max_k=max(k, PolicyConfig.max_k), gamma=parse_gamma(gamma)
     )
     cfg = ServeConfig(
-        draft,
-        target,
-        policy_cfg,
-        max_tokens,
-        cache_bytes,
-        adapt,
-        adapt_every,
-        not no_profile,
-        api_key,
-        source,
-        not no_guard,
-        tree,
-        batch,
+        draft=draft,
+        target=target,
+        policy=policy_cfg,
+        max_tokens=max_tokens,
+        cache_bytes=cache_bytes,
+        adapt=adapt,
+        adapt_every=adapt_every,
+        profile=not no_profile,
+        api_key=api_key,
+        sources=source,
+        guard=not no_guard,
+        tree=tree,
+        batch=batch,
     )
     warn_if_slow_blas(err_console)
 

@@ -27,35 +27,29 @@ from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair, context_length
 from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.prompts import encode_prompt
-from omnidraft_mlx.settings import check_range
+from omnidraft_mlx.settings import check_settings, setting
 from omnidraft_mlx.vocab.textstream import TextStream
 
 ROLES = ("system", "user", "assistant")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChatConfig:
-    k: int = 4
-    temp: float = 0.0
-    top_p: float = 1.0
-    max_tokens: int = 512
+    k: int = setting(4, flag="--k", low=1)
+    temp: float = setting(0.0, flag="--temp", low=0.0)
+    top_p: float = setting(1.0, flag="--top-p", low=0.0, high=1.0, open_low=True)
+    max_tokens: int = setting(512, flag="--max-tokens", low=1)
     seed: int = 0
-    context: int | None = None  # cap on prompt + reply tokens; default the models' limit
+    context: int | None = setting(None, flag="--context", low=64)  # cap on prompt + reply; None: the models' limit
     adapt: bool = True  # drafter updates from the replies (when a learner is attached)
-    adapt_every: int = 4  # replies gathered per drafter update
+    adapt_every: int = setting(4, flag="--adapt-every", low=1)  # replies gathered per drafter update
     sources: tuple[str, ...] = SOURCES  # draft sources to choose from each round
     guard: bool = True  # decode plainly while no source is expected to pay
     tree: bool = False  # verify the drafter's next-best tokens beside its chain where that pays
 
     def __post_init__(self):
         self.sources = check_sources(self.sources)
-        check_range("--k", self.k, 1)
-        check_range("--temp", self.temp, 0.0)
-        check_range("--top-p", self.top_p, 0.0, 1.0, open_low=True)
-        check_range("--max-tokens", self.max_tokens, 1)
-        check_range("--adapt-every", self.adapt_every, 1)
-        if self.context is not None:
-            check_range("--context", self.context, 64)
+        check_settings(self)
 
 
 @dataclass

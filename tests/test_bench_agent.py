@@ -61,11 +61,11 @@ def test_served_steps_keep_the_prompt_cache_and_learn_history(cross):
     """Our methods decode agent steps as the server does: each step reuses the cache of the last
     (its prompt and reply) and the history index learns every reply; plain gets the same tokens."""
     from omnidraft_mlx.bench.agent import agent_prompts
-    from omnidraft_mlx.bench.run import Decoding, Method, Serving, run_one
+    from omnidraft_mlx.bench.run import DecodeSettings, Method, Serving, run_one
     from omnidraft_mlx.decode.drafts import SOURCES
     from omnidraft_mlx.decode.scheduler import Scheduler
 
-    steps, run = agent_prompts(1, cross, 8), Decoding(8)
+    steps, run = agent_prompts(1, cross, 8), DecodeSettings(8)
     fused, serving, scheduler = Method("fused-k3", "ours", 3, sources=SOURCES), Serving.start(None), Scheduler()
     learned, before = [], 0  # history n-grams after each step; the last step's prompt tokens
     for step in steps:

@@ -94,7 +94,7 @@ def test_chat_and_bench_reject_bad_settings(pair_dirs, tmp_path):
         (lambda: ChatConfig(temp=-1.0), "--temp"),
         (lambda: ChatConfig(adapt_every=0), "--adapt-every"),
         (lambda: ChatConfig(sources="drafter,lookup"), "--source"),
-        (lambda: ServeConfig("d", "t", sources=()), "--source"),
+        (lambda: ServeConfig(draft="d", target="t", sources=()), "--source"),
         (lambda: PolicyConfig(name="greedy"), "--policy"),
         (lambda: PolicyConfig(name="learned", k=4, max_k=2), "--max-k"),
         (lambda: PolicyConfig(gamma=-0.1), "--gamma"),
@@ -103,9 +103,12 @@ def test_chat_and_bench_reject_bad_settings(pair_dirs, tmp_path):
         (lambda: DistillConfig(lora_rank=-1), "--rank"),
         (lambda: DistillConfig(layers=0), "--layers"),
         (lambda: DistillConfig(batch=0), "--batch"),
-        (lambda: BenchConfig("d", "t", ["complete"], translations=["bytes"]), "--translation"),
-        (lambda: BenchConfig("d", "t", ["complete"], policies=["psychic"]), "--policy"),
-        (lambda: BenchConfig("d", "t", ["complete"], time_limit_s=-60.0), "--time-limit"),
+        (lambda: BenchConfig(draft="d", target="t", tasks=["complete"], translations=["bytes"]), "--translation"),
+        (lambda: BenchConfig(draft="d", target="t", tasks=["complete"], policies=["psychic"]), "--policy"),
+        (lambda: BenchConfig(draft="d", target="t", tasks=["complete"], time_limit_s=-60.0), "--time-limit"),
+        (lambda: BenchConfig(draft="d", target="t", tasks=["complete"], gammas=[None, 1.5]), "--gamma"),
+        (lambda: ServeConfig(draft="d", target="t", batch=0), "--batch"),
+        (lambda: ChatConfig(context=63), "--context"),
     ],
 )
 def test_settings_check_themselves(make, says):
@@ -121,13 +124,24 @@ def test_good_settings_pass():
     PolicyConfig(name="learned", gamma=None)
     DistillConfig(lora_rank=0, layers=-1)
     BenchConfig(
-        "d",
-        "t",
-        ["complete", "math", "chat"],
+        draft="d",
+        target="t",
+        tasks=["complete", "math", "chat"],
         translations=["text", "tokens"],
         policies=["oracle"],
         gammas=[None, 0.0, 1.0],
     )
+
+
+def test_settings_are_keyword_only():
+    for make in (
+        lambda: ServeConfig("d", "t"),
+        lambda: BenchConfig("d", "t", ["complete"]),
+        lambda: ChatConfig(4),
+        lambda: SpecConfig(4),
+    ):
+        with pytest.raises(TypeError):
+            make()
 
 
 def test_range_and_choice_messages():

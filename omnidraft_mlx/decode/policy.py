@@ -30,7 +30,7 @@ import numpy as np
 from omnidraft_mlx.decode.fit import DraftCost
 from omnidraft_mlx.decode.head import LearnedHead, token_features, update_recent
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.settings import check_choice, check_range
+from omnidraft_mlx.settings import check_range, check_settings, setting
 from omnidraft_mlx.vocab.align import spelled_bytes
 
 POLICIES = ("fixed", "confidence", "heuristic", "learned")
@@ -53,13 +53,15 @@ def check_policy(name: str) -> str:
     return name
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PolicyConfig:
-    name: str = "fixed"
-    k: int = 4  # fixed length; start length for heuristic; length before the head has learned
+    name: str = setting("fixed", flag="--policy", choices=(*POLICIES, "oracle"))  # the oracle: bench only
+    k: int = setting(4, flag="--k", low=1)  # fixed length; start length for heuristic; before the head has learned
     max_k: int = 8  # cap for the adaptive policies
-    p_min: float = 0.6  # confidence policy threshold
-    gamma: float | None = None  # learned policy: stop when P(some rejection) exceeds gamma; None = auto
+    # The confidence policy's threshold.
+    p_min: float = setting(0.6, flag="the confidence threshold p_min", low=0.0, high=1.0, open_low=True, open_high=True)
+    # Learned policy: stop when P(some rejection) exceeds gamma; None = auto.
+    gamma: float | None = setting(None, flag="--gamma", low=0.0, high=1.0)
     start_gamma: float = 0.5  # auto, until the costs are measured
     cost_decay: float = 0.9  # auto: weight of the past in the running cost sums, per round
     warmup: int = 256  # labelled draft tokens before the head decides
@@ -69,13 +71,9 @@ class PolicyConfig:
     recent_decay: float = 0.9  # weight of the past in the reply's recent acceptance, per label
 
     def __post_init__(self):
-        check_choice("--policy", self.name, (*POLICIES, "oracle"))  # the oracle: bench only
-        check_range("--k", self.k, 1)
+        check_settings(self)
         if self.name != "fixed":  # the cap of the adaptive policies
             check_range("--max-k", self.max_k, self.k)
-        if self.gamma is not None:
-            check_range("--gamma", self.gamma, 0.0, 1.0)
-        check_range("the confidence threshold p_min", self.p_min, 0.0, 1.0, open_low=True, open_high=True)
 
 
 class DraftPolicy:

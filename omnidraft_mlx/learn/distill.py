@@ -28,31 +28,26 @@ from mlx.utils import tree_flatten
 from omnidraft_mlx.decode.drafter import output_head
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
-from omnidraft_mlx.settings import check_range
+from omnidraft_mlx.settings import check_settings, setting
 from omnidraft_mlx.vocab.align import align, as_draft_tokens
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DistillConfig:
-    lam: float = 0.2  # weight of the n-gram NLL
-    lr: float = 1e-4
-    weight_decay: float = 0.01
-    lora_rank: int = 32  # 0 = full fine-tuning
+    lam: float = setting(0.2, flag="--lambda", low=0.0)  # weight of the n-gram NLL
+    lr: float = setting(1e-4, flag="--lr", low=0.0, open_low=True)
+    weight_decay: float = setting(0.01, flag="weight_decay", low=0.0)
+    lora_rank: int = setting(32, flag="--rank", low=0)  # 0 = full fine-tuning
     lora_scale: float = 2.0  # mlx-lm's LoRA scale (alpha / rank)
     layers: int = -1  # blocks to train, counted from the last; -1 = all
-    batch: int = 8  # sequences per gradient step
-    steps: int = 1  # gradient steps per batch (one target forward serves them all)
-    max_len: int = 512  # tokens per sequence (longer ones are cut)
+    batch: int = setting(8, flag="--batch", low=1)  # sequences per gradient step
+    steps: int = setting(1, flag="--steps", low=1)  # gradient steps per batch (one target forward serves them all)
+    max_len: int = setting(512, flag="--max-len", low=1)  # tokens per sequence (longer ones are cut)
 
     def __post_init__(self):
-        check_range("--lambda", self.lam, 0.0)
-        check_range("--lr", self.lr, 0.0, open_low=True)
-        check_range("weight_decay", self.weight_decay, 0.0)
-        check_range("--rank", self.lora_rank, 0)
+        check_settings(self)
         if self.layers == 0 or self.layers < -1:
             raise OmniDraftError(f"--layers must be -1 (all) or at least 1 (got {self.layers})")
-        for flag, value in (("--batch", self.batch), ("--steps", self.steps), ("--max-len", self.max_len)):
-            check_range(flag, value, 1)
 
     @classmethod
     def from_dict(cls, d: dict) -> DistillConfig:

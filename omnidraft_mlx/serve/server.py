@@ -33,31 +33,28 @@ from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.paths import LOCAL, Resolver
 from omnidraft_mlx.serve.engine import Engine
 from omnidraft_mlx.serve.routes import make_app
-from omnidraft_mlx.settings import check_range
+from omnidraft_mlx.settings import check_settings, setting
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ServeConfig:
     draft: str
     target: str
     policy: PolicyConfig = field(default_factory=PolicyConfig)  # draft length; its k is the draft block
-    max_tokens: int = 512  # a request's default reply length
-    cache_bytes: int = DEFAULT_CACHE_BYTES
+    max_tokens: int = setting(512, flag="--max-tokens", low=1)  # a request's default reply length
+    cache_bytes: int = setting(DEFAULT_CACHE_BYTES, flag="--cache-bytes", low=0)
     adapt: bool = True  # drafter updates between requests
-    adapt_every: int = 4  # replies gathered per drafter update
+    adapt_every: int = setting(4, flag="--adapt-every", low=1)  # replies gathered per drafter update
     profile: bool = True  # load and save the pair's profile
     api_key: str | None = None
     sources: tuple[str, ...] = SOURCES  # draft sources to choose from each round
     guard: bool = True  # decode plainly while no source is expected to pay
     tree: bool = False  # verify the drafter's next-best tokens beside its chain where that pays
-    batch: int = 8  # requests decoded together (one target forward verifies all their drafts)
+    batch: int = setting(8, flag="--batch", low=1)  # requests decoded together (one target forward verifies all)
 
     def __post_init__(self):
         self.sources = check_sources(self.sources)
-        check_range("--max-tokens", self.max_tokens, 1)
-        check_range("--cache-bytes", self.cache_bytes, 0)
-        check_range("--adapt-every", self.adapt_every, 1)
-        check_range("--batch", self.batch, 1)
+        check_settings(self)
 
 
 def serve(
