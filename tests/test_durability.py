@@ -92,3 +92,26 @@ def test_a_profile_with_the_old_sampled_identity_still_loads_and_is_migrated(tin
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(OmniDraftError, match="another draft model"):
         load_profile(model, model)
+
+
+def test_rows_forwarded_one_by_one_all_go_back_when_one_fails(tiny, monkeypatch):
+    """forward_trees' promise when a batch cannot share a forward: on an exception every cache
+    holds what it held before, the rows forwarded before the failing one too."""
+    from omnidraft_mlx.decode import batch
+    from omnidraft_mlx.decode.kvcache import KVSlot
+    from omnidraft_mlx.decode.tree import TokenTree
+
+    class Failing(KVSlot):
+        def forward_tree(self, model, root, tree):
+            raise RuntimeError("a fault in this row's forward")
+
+    model = tiny["target"][0]
+    first, second = KVSlot.fresh(model), Failing.fresh(model)
+    for slot in (first, second):
+        slot.extend(model, [5, 6, 7])
+    monkeypatch.setattr(batch, "batchable", lambda slots: False)  # one forward per row
+    with pytest.raises(RuntimeError, match="this row"):
+        batch.forward_trees(model, [first, second], [8, 8], [TokenTree.of([9, 10]), TokenTree.of([9])])
+    assert first.tokens == [5, 6, 7] and all(c.offset == 3 for c in first.cache)
+    (out,) = batch.forward_trees(model, [first], [8], [TokenTree.of([9, 10])])  # and decodes on from there
+    assert first.tokens == [5, 6, 7, 8, 9, 10] and out.shape[0] == 3

@@ -64,7 +64,15 @@ def forward_trees(model, slots: list[KVSlot], roots: list[int], trees: list[Toke
     one_by_one = one_by_one or (not all(t.is_chain for t in trees) and not takes_trees(model))
     layout = None if one_by_one else batch_layout(model)
     if layout is None:
-        return [slot.forward_tree(model, root, tree) for slot, root, tree in zip(slots, roots, trees)]
+        held = [(slot.cache[0].offset, len(slot.tokens)) for slot in slots]
+        try:
+            return [slot.forward_tree(model, root, tree) for slot, root, tree in zip(slots, roots, trees)]
+        except BaseException:  # the rows forwarded before the failing one go back too
+            for slot, (length, n) in zip(slots, held):
+                for c in slot.cache:
+                    c.trim(c.offset - length)
+                del slot.tokens[n:]
+            raise
     return batch_forward(model, slots, roots, trees, layout)
 
 

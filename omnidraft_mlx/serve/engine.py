@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.failpoints import failpoint
 from omnidraft_mlx.paths import LOCAL, Resolver
 from omnidraft_mlx.serve.learning import Learning
 from omnidraft_mlx.serve.request import Decoder, Job, Running
@@ -97,21 +98,30 @@ class Engine:
 
     def run(self, running: Callable[[], bool]) -> None:
         """Decode the active jobs round by round while running(), admitting queued ones between
-        rounds; when nothing is active or queued, learn and save."""
+        rounds; when nothing is active or queued, learn and save. A failure is its job's (the
+        steps of one job catch their own); one outside them fails the active jobs, not the engine."""
         while running():
-            if not self.active:
-                try:
-                    job = self.jobs.get(timeout=IDLE_S if self.learning.pending else 1.0)
-                except queue.Empty:
-                    if self.learning.pending:
-                        self.learning.idle()
-                    continue
-                self._admit(job)
-            # Only this thread takes jobs out: the queue's head stays while it is looked at.
-            while len(self.active) < self.cfg.batch and not self.jobs.empty() and self._fits(self.jobs.queue[0]):
-                self._admit(self.jobs.get_nowait())
-            if self.active:
-                self._round()
+            try:
+                self._step()
+            except Exception as e:
+                log.error("the engine's round failed; its requests fail:\n%s", traceback.format_exc())
+                for job in list(self.active):
+                    self._drop(job, e)
+
+    def _step(self) -> None:
+        if not self.active:
+            try:
+                job = self.jobs.get(timeout=IDLE_S if self.learning.pending else 1.0)
+            except queue.Empty:
+                if self.learning.pending:
+                    self.learning.idle()
+                return
+            self._admit(job)
+        # Only this thread takes jobs out: the queue's head stays while it is looked at.
+        while len(self.active) < self.cfg.batch and not self.jobs.empty() and self._fits(self.jobs.queue[0]):
+            self._admit(self.jobs.get_nowait())
+        if self.active:
+            self._round()
 
     def shutdown(self) -> None:
         """The running and the queued requests get an error, not silence; then save what was learned."""
@@ -151,47 +161,74 @@ class Engine:
 
     def _round(self) -> None:
         """One round of every active job: plan the drafts, verify them in one target forward, take."""
-        from omnidraft_mlx.decode.batch import forward_rounds
-
         planned = []
         for running in list(self.active):
             if running.job.cancelled.is_set():
                 self._finish(running)
                 continue
             try:
+                failpoint("draft", running.job.label)
                 planned.append((running, running.decoding.plan()))
             except Exception as e:
                 self._drop(running, e)
         if not planned:
             return
         self.most_active = max(self.most_active, len(planned))
-        try:
-            verified = forward_rounds([r.decoding for r, _ in planned], [tree for _, tree in planned])
-        except Exception as e:  # the caches hold what they held before: every job in the forward fails
-            for running, _ in planned:
-                self._drop(running, e)
-            return
-        for (running, _), (out, forward_s) in zip(planned, verified):
+        for (running, _), verified in zip(planned, self._verify(planned)):
+            if isinstance(verified, Exception):
+                self._drop(running, verified)
+                continue
             try:
-                over = running.take(out, forward_s, self.decoder.token_bytes)
+                over = running.take(*verified, self.decoder.token_bytes)
             except Exception as e:
                 self._drop(running, e)
                 continue
             if over:
                 self._finish(running)
 
+    def _verify(self, planned: list) -> list:
+        """Each planned job's (logits, seconds) from one target forward. If that forward fails (the
+        caches then hold what they held before), each job is verified by a forward of its own, so
+        only a job that fails alone fails: its exception stands in its place."""
+        try:
+            return _forward_rounds(planned)
+        except Exception as e:
+            if len(planned) == 1:
+                return [e]
+            log.warning("a verification of %d requests failed (%r): verifying them one at a time", len(planned), e)
+        verified = []
+        for row in planned:
+            try:
+                verified += _forward_rounds([row])
+            except Exception as e:
+                verified.append(e)
+        return verified
+
     def _finish(self, running: Running) -> None:
+        """A job whose reply is over: its caches to the prompt cache, its result to its client,
+        its reply to learning. A failure here fails this job only."""
         self.active.remove(running)
-        result, ids = self.decoder.finish(running)
+        try:
+            result, ids = self.decoder.finish(running)
+        except Exception as e:  # its caches are not kept
+            self._fail(running.job, e)
+            return
         running.job.emit("done", result)
         self.served += 1
         self.cancelled += result.finish_reason == "cancelled"
-        self.learning.observe(running.job.draft_ids, running.job.target_ids, ids)
+        try:  # the reply is out: a failure to learn from it costs only that lesson
+            failpoint("learn", running.job.label)
+            self.learning.observe(running.job.draft_ids, running.job.target_ids, ids)
+        except Exception:
+            log.error("learning from a reply failed:\n%s", traceback.format_exc())
 
     def _drop(self, running: Running, error: Exception) -> None:
         """A job whose round failed: out of the batch, its caches not kept, its client told."""
         self.active.remove(running)
-        self.decoder.finish(running, intact=False)
+        try:
+            self.decoder.finish(running, intact=False)
+        except Exception:
+            log.error("closing a failed request's decoding failed:\n%s", traceback.format_exc())
         self._fail(running.job, error)
 
     def _fail(self, job: Job, error: Exception) -> None:
@@ -204,3 +241,12 @@ class Engine:
             "error",
             ApiError(500, f"internal error ({type(error).__name__}): see the server's log", kind="server_error"),
         )
+
+
+def _forward_rounds(planned: list) -> list:
+    """forward_rounds over planned (running, tree) pairs."""
+    from omnidraft_mlx.decode.batch import forward_rounds
+
+    for running, _ in planned:
+        failpoint("verify", running.job.label)
+    return forward_rounds([r.decoding for r, _ in planned], [tree for _, tree in planned])

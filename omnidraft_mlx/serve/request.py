@@ -12,12 +12,15 @@ strings, ("tool_calls", [call]) once a call's text parses (serve_text.py),
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 
 from omnidraft_mlx.decode.promptcache import CacheUse
+from omnidraft_mlx.failpoints import armed, failpoint
 from omnidraft_mlx.serve.logprobs import token_logprobs
 from omnidraft_mlx.serve.schema import ApiError, ChatRequest, Sampling, stop_strings
 from omnidraft_mlx.serve.text import ReplyText
@@ -37,6 +40,7 @@ class Job:
     tools: ToolPlan = field(default_factory=ToolPlan)
     logprobs: int | None = None  # alternatives per token; None: no log-probabilities
     cancelled: threading.Event = field(default_factory=threading.Event)
+    label: str = ""  # the request's messages, for a failpoint aimed at it (set only while one is armed)
 
     def emit(self, kind: str, payload) -> None:
         try:
@@ -66,14 +70,23 @@ class Decoder:
     scheduler: object
     prompt_cache: object
     limit: int | None  # the shorter context of the two models, if known
+    encoder: object = field(init=False, repr=False)  # the pair, with tokenizers of its own for prepare()
+    encoding: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def __post_init__(self):
+        # Fast tokenizers are not thread-safe ("Already borrowed"): the engine's thread owns the
+        # pair's, the HTTP threads encode prompts with copies, one request at a time.
+        self.encoder = copy.copy(self.pair)
+        self.encoder.draft_tok, self.encoder.target_tok = copy.deepcopy((self.pair.draft_tok, self.pair.target_tok))
 
     def prepare(self, messages: list[dict], raw: bool, req: Sampling, loop) -> Job:
         """Encode a request for both models and check it against the context (any thread)."""
         from omnidraft_mlx.decode.speculative import SpecConfig
 
         cfg, chat = self.cfg, isinstance(req, ChatRequest)
-        tools = plan_tools(req, self.pair.target_tok) if chat else ToolPlan()
-        draft_ids, target_ids = encode(self.pair, messages, raw, tools)
+        with self.encoding:
+            tools = plan_tools(req, self.encoder.target_tok) if chat else ToolPlan()
+            draft_ids, target_ids = encode(self.encoder, messages, raw, tools)
         longest = max(len(draft_ids), len(target_ids))
         room = self.limit - longest - cfg.policy.k - 1 if self.limit else None
         if room is not None and room < 1:
@@ -96,12 +109,14 @@ class Decoder:
             tree=cfg.tree,
         )
         logprobs = (req.top_logprobs or 0) if chat and req.logprobs else None
-        return Job(draft_ids, target_ids, spec, stop_strings(req), loop, asyncio.Queue(), tools, logprobs)
+        label = json.dumps(messages, default=str) if armed() else ""
+        return Job(draft_ids, target_ids, spec, stop_strings(req), loop, asyncio.Queue(), tools, logprobs, label=label)
 
     def start(self, job: Job, scheduler) -> Running:
         """The job's decoding, prefilled on the prompt cache, its rounds to come (Running.take)."""
         from omnidraft_mlx.decode.speculative import SpecStats
 
+        failpoint("prefill", job.label)
         stats, use, rows = SpecStats(), CacheUse(), []
         reply = ReplyText(self.pair.vmap.target_bytes, job.stops, job.tools, job.emit)
         start = time.perf_counter()
@@ -121,6 +136,7 @@ class Decoder:
 
     def finish(self, running: Running, intact: bool = True) -> tuple[Result, list[int]]:
         """Give the running job's caches back to the prompt cache; (its result, the reply's target ids)."""
+        failpoint("finish", running.job.label)
         self.prompt_cache.finish(running.decoding, intact)
         finish = running.finish or "cancelled"
         stats, ids = running.stats, running.ids
