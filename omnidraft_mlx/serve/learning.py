@@ -13,18 +13,25 @@ from __future__ import annotations
 import logging
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from omnidraft_mlx.errors import OmniDraftError
+
+if TYPE_CHECKING:
+    from omnidraft_mlx.decode.promptcache import PromptCache
+    from omnidraft_mlx.learn.adapt import OnlineLearner
+    from omnidraft_mlx.pair import Pair
+    from omnidraft_mlx.profile.store import Profile
 
 log = logging.getLogger("omnidraft.serve")
 
 
 @dataclass
 class Learning:
-    pair: object
-    profile: object | None  # None: --no-profile, nothing saved
-    learner: object | None  # None: --no-adapt, or an update failed
-    prompt_cache: object  # its drafter caches go stale with each update
+    pair: Pair
+    profile: Profile | None  # None: --no-profile, nothing saved
+    learner: OnlineLearner | None  # None: --no-adapt, or an update failed
+    prompt_cache: PromptCache  # its drafter caches go stale with each update
     dirty: bool = False  # learned something not yet saved
     saves: int = 0
 

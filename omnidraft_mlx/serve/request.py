@@ -4,8 +4,8 @@ its text streamed back to the request as events.
 
 A Job carries a request from the HTTP thread to the engine's thread; the decode
 emits events as rounds finish: ("text", piece) cut at the request's stop
-strings, ("tool_calls", [call]) once a call's text parses (serve_text.py),
-("logprobs", [entry]) if asked (serve_logprobs.py); then ("done", Result) or
+strings, ("tool_calls", [call]) once a call's text parses (text.py),
+("logprobs", [entry]) if asked (logprobs.py); then ("done", Result) or
 ("error", ApiError). The client's request waits on them in the server's event loop.
 """
 
@@ -18,6 +18,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from omnidraft_mlx.decode.promptcache import CacheUse
 from omnidraft_mlx.failpoints import armed, failpoint
@@ -26,6 +27,15 @@ from omnidraft_mlx.serve.schema import ApiError, ChatRequest, Sampling, stop_str
 from omnidraft_mlx.serve.text import ReplyText
 from omnidraft_mlx.serve.tools import ToolPlan, encode, plan_tools
 
+if TYPE_CHECKING:
+    from omnidraft_mlx.decode.lookup import HistoryIndex
+    from omnidraft_mlx.decode.policy import DraftPolicy
+    from omnidraft_mlx.decode.promptcache import PromptCache
+    from omnidraft_mlx.decode.scheduler import Scheduler
+    from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats
+    from omnidraft_mlx.pair import Pair
+    from omnidraft_mlx.serve.server import ServeConfig
+
 
 @dataclass
 class Job:
@@ -33,7 +43,7 @@ class Job:
 
     draft_ids: list[int]
     target_ids: list[int]
-    spec: object  # SpecConfig
+    spec: SpecConfig
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
@@ -63,14 +73,14 @@ class Result:
 class Decoder:
     """The pair and what decoding keeps between requests: prompt cache, policy, history, scheduler."""
 
-    cfg: object  # ServeConfig
-    pair: object
-    policy: object
-    history: object
-    scheduler: object
-    prompt_cache: object
+    cfg: ServeConfig
+    pair: Pair
+    policy: DraftPolicy
+    history: HistoryIndex | None  # None: --no-profile
+    scheduler: Scheduler
+    prompt_cache: PromptCache
     limit: int | None  # the shorter context of the two models, if known
-    encoder: object = field(init=False, repr=False)  # the pair, with tokenizers of its own for prepare()
+    encoder: Pair = field(init=False, repr=False)  # the pair, with tokenizers of its own for prepare()
     encoding: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self):
@@ -174,8 +184,8 @@ class Running:
     """A job being decoded: its decoding, between rounds, and the reply it has streamed so far."""
 
     job: Job
-    decoding: object  # speculative.Decoding
-    stats: object  # SpecStats
+    decoding: Decoding
+    stats: SpecStats
     use: CacheUse
     reply: ReplyText
     rows: list  # the target's logits of the last round, for log-probabilities
