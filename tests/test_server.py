@@ -225,7 +225,8 @@ def test_only_health_goes_without_the_key(server, model):
 
 def test_kill_9_while_serving_and_saving_leaves_a_profile_that_loads(tiny_dirs, tmp_path, monkeypatch):
     """Drafter updates after every reply, the n-grams and acceptance head saved whenever the
-    queue empties; kill -9 at random moments, then load the profile each time."""
+    queue empties; kill -9 at random moments, then load the profile each time: every save the
+    server finished before the kill is there, and the next start serves with it."""
     from mlx_lm import load
 
     from omnidraft_mlx.decode.policy import LearnedPolicy, PolicyConfig
@@ -233,7 +234,7 @@ def test_kill_9_while_serving_and_saving_leaves_a_profile_that_loads(tiny_dirs, 
 
     home, rng = tmp_path / "home", random.Random(0)
     prompts = ["print(add_", "def add_3(x):", "def add_{}(x):"]
-    saved_before = 0
+    saved_before, version = 0, 0
     for attempt in range(3):
         srv = start(tiny_dirs, home, tmp_path / f"server-{attempt}.log", "--adapt-every", "1", "--max-tokens", "24")
         stop = threading.Event()
@@ -259,6 +260,7 @@ def test_kill_9_while_serving_and_saving_leaves_a_profile_that_loads(tiny_dirs, 
             assert time.monotonic() < deadline, srv.log.read_text()
             time.sleep(0.2)
         time.sleep(rng.uniform(0.0, 2.0))
+        finished = srv.health()["profile_saves"]  # saves this process completed (more may end before the kill)
         srv.proc.kill()  # SIGKILL: no handler runs, a save in flight is cut short
         srv.proc.wait()
         stop.set()
@@ -272,8 +274,14 @@ def test_kill_9_while_serving_and_saving_leaves_a_profile_that_loads(tiny_dirs, 
         manifest = json.loads((path / "manifest.json").read_text())
         assert all((path / f).exists() for f in manifest["files"].values())
         assert profile.updates >= saved_before
-        saved_before = profile.updates
+        assert manifest["version"] >= version + finished  # each save writes the next version: none lost
+        saved_before, version = profile.updates, manifest["version"]
     assert len(profile.ngrams) > 0 and profile.updates > 0  # the n-grams and the drafter updates were saved
+    srv = start(tiny_dirs, home, tmp_path / "server-after.log")  # a restart after the last kill serves
+    try:
+        assert srv.health()["ngrams"] == len(profile.ngrams)
+    finally:
+        assert srv.stop() == 0, srv.log.read_text()
 
 
 def test_the_load_test_runs_on_the_tiny_pair(tiny_dirs, tmp_path):
