@@ -126,7 +126,7 @@ def test_many_clients_encoding_long_prompts_at_once(server, client, tiny, tiny_d
         assert got[prompt] == (len(ids), greedy(tiny, ids, 3)[1])
 
 
-def test_sigterm_inside_a_save_exits_cleanly_with_everything_learned(tiny_dirs, tmp_path, monkeypatch):
+def test_sigterm_inside_saves_exits_cleanly_with_everything_learned(tiny_dirs, tmp_path, monkeypatch):
     from omnidraft_mlx.profile.store import load_profile
 
     srv = start(tiny_dirs, tmp_path, "save~3", "--max-tokens", "24", "--no-adapt")  # every save takes 3 s
@@ -139,6 +139,8 @@ def test_sigterm_inside_a_save_exits_cleanly_with_everything_learned(tiny_dirs, 
         time.sleep(1.5)  # the queue has been empty 0.5 s: the save is under way
         sent = time.monotonic()
         srv.proc.terminate()
+        time.sleep(2.0)  # the first save is over; the final one, on the way out, is under way
+        srv.proc.terminate()  # a second SIGTERM does not cut it short
         assert srv.proc.wait(10) == 0, srv.log.read_text()
         assert time.monotonic() - sent < 10
     finally:

@@ -87,6 +87,8 @@ def serve(
     except KeyboardInterrupt:
         pass
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second one must not cut the final save short
+            signal.signal(sig, signal.SIG_IGN)
         http.should_exit = True  # lets the open requests end (they get the shutdown error), then stops
         engine.shutdown()
         web.join()
