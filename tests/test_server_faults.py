@@ -149,3 +149,28 @@ def test_sigterm_inside_saves_exits_cleanly_with_everything_learned(tiny_dirs, t
     assert len(load_profile(str(tiny_dirs["draft"]), str(tiny_dirs["target"])).ngrams) == learned
     with pytest.raises(httpx.TransportError):
         httpx.get(srv.url + "/health", timeout=2)
+
+
+def test_sigterm_mid_stream_ends_the_stream_saves_and_exits_within_10_s(tiny_dirs, tmp_path, monkeypatch):
+    from omnidraft_mlx.profile.store import load_profile
+
+    srv = start(tiny_dirs, tmp_path, "", "--adapt-every", "1")  # learning on, as `serve` runs by default
+    try:
+        with OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+            c.chat.completions.create(model=str(tiny_dirs["target"]), messages=messages("print(add_"), max_tokens=16)
+        body = {"messages": messages("def add_1(x):"), "max_tokens": 1900, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            while '"content": "' not in next(lines):  # the reply has begun
+                pass
+            learned = srv.health()["ngrams"]
+            sent = time.monotonic()
+            srv.proc.terminate()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert "shutting down" in rest[-2] and rest[-1] == "data: [DONE]"  # the client is told, not cut off
+        assert srv.proc.wait(10) == 0, srv.log.read_text()
+        assert time.monotonic() - sent < 10
+    finally:
+        srv.stop()
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path / "home"))
+    assert len(load_profile(str(tiny_dirs["draft"]), str(tiny_dirs["target"])).ngrams) >= learned > 0
