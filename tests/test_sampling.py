@@ -8,6 +8,7 @@ The same test must catch a deliberately biased variant, or it proves nothing."""
 
 import numpy as np
 import pytest
+from test_recurrent import build
 from test_widths import padding_scheduler
 
 import omnidraft_mlx.decode.speculative as spec
@@ -26,6 +27,9 @@ CASES = {
     # tiny target writes "5(x" now and then, and "6(x", "53(", "52("... ("1" is followed by "0"
     # there, so a "1(x" seen before never held after a drafted "1").
     "padded": ("def add_5(x):\n    return x + 5\n\ndef add_", "drafter,context"),
+    # A hybrid target (gated delta layers beside attention) and a noisy copy of it drafting: the
+    # recurrent states roll back to each accepted length (test_recurrent.py).
+    "hybrid": ("def add_", "drafter"),
 }
 
 
@@ -33,6 +37,10 @@ CASES = {
 def setup(request, tiny):
     prompt, sources = CASES[request.param]
     (dm, dt), (tm, tt) = tiny["draft"], tiny["target"]
+    if request.param == "hybrid":
+        tm, dm, dt = build("qwen3_next"), build("qwen3_next", noise=0.1), tt
+        for m in (tm, dm):
+            m.lm_head.weight = m.lm_head.weight * 12.0  # peaked: a few likely continuations
     pair = make_pair(dm, dt, tm, tt)
     tp = encode_prompt(tt, user_messages(prompt), True)
     eos = set(tt.eos_token_ids) | {pair.vmap.target_eos}
