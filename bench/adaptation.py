@@ -43,7 +43,7 @@ def heldout(n: int) -> list:
 
 def adapt_stream() -> list:
     """The adaptation split, tasks interleaved while both last, as one stream of conversations
-    (each prompt with its reference answer, which only text mode reads)."""
+    (each prompt with its reference answer, which only the teacher-forced mode reads)."""
     from omnidraft_mlx.learn.adapt import task_corpus
 
     return task_corpus(",".join(TASKS), "adapt")
@@ -86,13 +86,21 @@ def phase_before(args) -> None:
 def phase_adapt(args) -> None:
     from omnidraft_mlx.decode.policy import PolicyConfig, make_policy
     from omnidraft_mlx.decode.speculative import SpecConfig
-    from omnidraft_mlx.learn.adapt import Budget, batch, open_learner, stream, text
+    from omnidraft_mlx.learn.adapt import (
+        Budget,
+        check_mode,
+        learn_from_target,
+        learn_speculative,
+        learn_teacher_forced,
+        open_learner,
+    )
     from omnidraft_mlx.learn.distill import DistillConfig
     from omnidraft_mlx.models.pull import CATALOG_RESOLVER
 
     cfg = DistillConfig(lam=args.lam, lr=args.lr, lora_rank=args.rank, steps=args.steps)
-    # Batch mode trains the acceptance head, whatever --policy says (as `omnidraft adapt` does).
-    policy = make_policy(PolicyConfig(name=args.policy if args.mode == "stream" else "learned", k=args.k))
+    mode = check_mode(args.mode)  # recorded as given
+    # The target mode trains the acceptance head, whatever --policy says (as `omnidraft adapt` does).
+    policy = make_policy(PolicyConfig(name=args.policy if mode == "speculative" else "learned", k=args.k))
     learner = open_learner(
         args.draft,
         args.target,
@@ -114,15 +122,14 @@ def phase_adapt(args) -> None:
         if e.update:
             print(f"update {e.update.update}: loss {e.update.loss:.3f} in {e.update.seconds:.1f}s", flush=True)
 
-    if args.mode == "text":  # teacher-forced on the split's reference answers: no generation
+    if mode == "teacher-forced":  # on the split's reference answers: no generation
         records = []
-        text(learner, adapt_stream(), Budget(args.minutes), show)
-    elif args.mode == "batch":  # the target answers `interval` prompts at once, then an update
-        records = batch(learner, adapt_stream(), args.stream_tokens, Budget(args.minutes), show)
+        learn_teacher_forced(learner, adapt_stream(), Budget(args.minutes), show)
+    elif mode == "target":  # the target answers `interval` prompts at once, then an update
+        records = learn_from_target(learner, adapt_stream(), args.stream_tokens, Budget(args.minutes), show)
     else:
-        records = stream(
-            learner, adapt_stream(), SpecConfig(k=args.k, max_tokens=args.stream_tokens), Budget(args.minutes), show
-        )
+        spec = SpecConfig(k=args.k, max_tokens=args.stream_tokens)
+        records = learn_speculative(learner, adapt_stream(), spec, Budget(args.minutes), show)
     wall = (json.loads(log.read_text())["wall_s"] if previous else 0.0) + time.monotonic() - start
     _save(
         log,
@@ -268,7 +275,7 @@ def phase_report(args) -> None:
     _save(args.out / "adaptation.json", summary)
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    acc = np.array([r["acceptance"] for r in recs if "acceptance" in r])  # batch and text modes: none
+    acc = np.array([r["acceptance"] for r in recs if "acceptance" in r])  # target and teacher-forced modes: none
     w = stream_log["settings"]["interval"]
     if len(acc):
         smooth = np.convolve(acc, np.ones(w) / w, mode="valid")
@@ -283,7 +290,7 @@ def phase_report(args) -> None:
                 res["all"]["acceptance"], linestyle=style, color="gray" if "before" in name else "green", label=name
             )
         ax.set_ylabel("acceptance (accepted / proposed target tokens)")
-    else:  # text mode decodes nothing while it learns: its loss per update instead
+    else:  # the teacher-forced mode decodes nothing while it learns: its loss per update instead
         ax.plot([h["position"] for h in hist], [h["loss"] for h in hist], "o-", label="distillation loss (new batch)")
         ax.set_ylabel("loss (reverse KL + lambda NLL, per position)")
     ax.set_xlabel("prompts seen")
@@ -330,10 +337,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument(
         "--mode",
-        choices=["stream", "batch", "text"],
-        default="stream",
-        help="adapt: stream (Algorithm 2, on-policy), batch (the target's replies by batched decoding) "
-        "or text (teacher-forced on the reference answers)",
+        choices=["speculative", "target", "teacher-forced", "stream", "batch", "text"],
+        default="speculative",
+        help="adapt: speculative (Algorithm 2, on-policy), target (the target's replies by batched decoding) "
+        "or teacher-forced (on the reference answers); their old names stream, batch, text still work",
     )
     ap.add_argument("--policy", default="learned", help="adapt: draft-length policy while streaming (its head learns)")
     ap.add_argument(

@@ -4,7 +4,7 @@ acceptance after a fixed number of prompts.
     ./run.sh python -m omnidraft_mlx.bench.distributed_adapt --ranks 1,2 --prompts 16
 
 Each world size starts with no profile, in its own OMNIDRAFT_HOME under the output folder
-(the user's models and downloads linked in), and runs batch-mode `omnidraft adapt --task T
+(the user's models and downloads linked in), and runs `omnidraft adapt --mode target --task T
 --max-prompts N`, under `mlx.launch -n R --backend ring` for R > 1. Held-out acceptance
 before and after is adapt's own --eval; prompts per minute is rank 0's last progress line
 (the adaptation loop alone: model loading and evaluation not counted). Results go to
@@ -59,7 +59,7 @@ def command(args, ranks: int) -> list[str]:
         "--task",
         args.task,
         "--mode",
-        "batch",
+        "target",
         "--draft",
         args.draft,
         "--target",

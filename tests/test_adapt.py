@@ -19,7 +19,15 @@ from mlx_lm import load
 from omnidraft_mlx.decode.policy import LearnedPolicy, PolicyConfig
 from omnidraft_mlx.decode.speculative import SpecConfig
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.learn.adapt import Budget, OnlineLearner, Sample, batch, evaluate, read_corpus, stream
+from omnidraft_mlx.learn.adapt import (
+    Budget,
+    OnlineLearner,
+    Sample,
+    evaluate,
+    learn_from_target,
+    learn_speculative,
+    read_corpus,
+)
 from omnidraft_mlx.learn.distill import DistillConfig, Distiller, _pad, distill_loss, make_example, setup_trainable
 from omnidraft_mlx.pair import make_pair
 from omnidraft_mlx.profile.store import Profile, load_profile
@@ -164,7 +172,7 @@ def test_training_lowers_loss_and_raises_acceptance(tiny_dirs, tiny, rank):
     learner = OnlineLearner(pair, cfg, interval=4)  # ten updates: at 5 (mlx 0.32) acceptance rose by 0.04
     losses = []
     for _ in range(5):
-        stream(learner, [Sample(messages=m) for m in prompts], SpecConfig(max_tokens=32), Budget())
+        learn_speculative(learner, [Sample(messages=m) for m in prompts], SpecConfig(max_tokens=32), Budget())
         learner.position = 0
         losses.append(learner.last.loss)
     after = evaluate(pair, prompts, max_tokens=32)["acceptance"]
@@ -172,7 +180,7 @@ def test_training_lowers_loss_and_raises_acceptance(tiny_dirs, tiny, rank):
     assert after > before + 0.05, (before, after)
 
 
-def test_batch_mode_learns_from_the_targets_own_greedy_replies(tiny_dirs, tiny):
+def test_target_mode_learns_from_the_targets_own_greedy_replies(tiny_dirs, tiny):
     from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 
     dm, dt = load(str(tiny_dirs["draft"]))
@@ -183,14 +191,14 @@ def test_batch_mode_learns_from_the_targets_own_greedy_replies(tiny_dirs, tiny):
     prompts = [user_messages(p) for p in TRAIN_PROMPTS[:3] + ["import json\n\ndef load(path):\n    with", "x = ["]]
     policy = LearnedPolicy(PolicyConfig(name="learned"))
     learner = OnlineLearner(pair, cfg, interval=3, policy=policy)
-    records = batch(learner, [Sample(messages=m) for m in prompts], 12, Budget(max_prompts=4))
+    records = learn_from_target(learner, [Sample(messages=m) for m in prompts], 12, Budget(max_prompts=4))
     # The acceptance head learned from replays of the replies (a label per drafted token).
     assert policy.head.net is not None and len(policy.head.labels) >= sum(len(r["reply"]) for r in records) // 2
     assert [r["position"] for r in records] == [1, 2, 3, 4] and learner.position == 4
     assert learner.updates == 2 and not learner.buffer  # 3 prompts, then the 1 the budget left
     for msgs, r in zip(prompts, records):  # prompts of several lengths share a padded batch
         plain = list(plain_generate(tm, tt, encode_prompt(tt, msgs), PlainStats(), max_tokens=12))
-        assert r["reply"] == plain  # the replies stream mode would have verified
+        assert r["reply"] == plain  # the replies the speculative mode would have verified
     fresh = make_pair(dm, dt, tm, tt)  # the cache holds what the replies teach it
     for r in records:
         fresh.learn_ngrams(r["reply"])
@@ -206,7 +214,7 @@ def make_trained_profile(tmp_path, tiny_dirs, tiny, updates=2):
     profile = Profile(tmp_path / "prof", str(tiny_dirs["draft"]), str(tiny_dirs["target"]), pair.ngrams)
     learner = OnlineLearner(pair, cfg, interval=4, profile=profile)
     learner.corpus = "c"
-    stream(
+    learn_speculative(
         learner,
         [Sample(messages=user_messages(p)) for p in TRAIN_PROMPTS[: 4 * updates]],
         SpecConfig(max_tokens=16),
@@ -215,7 +223,7 @@ def make_trained_profile(tmp_path, tiny_dirs, tiny, updates=2):
     return pair, profile
 
 
-def test_task_corpus_text_mode_learns_the_reference_and_stream_answers_the_prompt(cross):
+def test_task_corpus_teacher_forced_learns_the_reference_and_speculative_answers_the_prompt(cross):
     from omnidraft_mlx.learn.adapt import asked, task_corpus, text_examples
 
     sample = task_corpus("math", "adapt")[0]
@@ -398,20 +406,20 @@ def test_adapt_command_resumes_and_profile_commands(tmp_path, tiny_dirs):
         "--rank",
         "4",
     ]
-    first = omnidraft(*common, "--mode", "stream", "--max-prompts", "4", home=tmp_path)
+    first = omnidraft(*common, "--mode", "speculative", "--max-prompts", "4", home=tmp_path)
     assert first.returncode == 0, first.stderr
     assert "position 4/6" in first.stdout and "held-out acceptance" in first.stdout
     assert "evaluating on 2 held-out prompts (before)" in first.stderr  # a log file is told what the wait is
     streamed = int(
         re.search(r"acceptance head: (\d+) labelled", omnidraft("profile", "show", *pair_args, home=tmp_path).stdout)[1]
     )
-    second = omnidraft(*common, "--rank", "8", home=tmp_path)  # resumes in batch mode, the default for prompts
+    second = omnidraft(*common, "--rank", "8", home=tmp_path)  # resumes in the target mode, the default for prompts
     assert second.returncode == 0, second.stderr
     assert "position 6/6" in second.stdout and "update 3" in second.stdout
     assert "continuing the profile's adapter" in second.stderr
     shown = omnidraft("profile", "show", *pair_args, home=tmp_path)
     assert "drafter updates: 3" in shown.stdout and "6 items learned from" in shown.stdout
-    # The acceptance head trained while streaming, then on the batch mode's replays.
+    # The acceptance head trained while speculating, then on the target mode's replays.
     assert (labels := re.search(r"acceptance head: (\d+) labelled", shown.stdout)) and int(labels[1]) > streamed
     # generate loads the profile (adapter applied) and keeps the output lossless.
     gen = omnidraft("generate", *pair_args, "--raw", "--max-tokens", "8", "-q", TRAIN_PROMPTS[0], home=tmp_path)
@@ -446,9 +454,11 @@ def test_adapt_command_bad_input(tmp_path, tiny_dirs):
     assert out.returncode == 2 and "bad.jsonl:2" in out.stderr and "Traceback" not in out.stderr
     doc = tmp_path / "doc.txt"
     doc.write_text("def add_1(x):\n    return x + 1\n")
-    for mode in ("stream", "batch"):
+    for mode in ("speculative", "target", "batch"):  # an old name is still taken
         out = omnidraft("adapt", str(doc), *pair_args, "--mode", mode, home=tmp_path)
-        assert out.returncode == 2 and "--mode text" in out.stderr
-    out = omnidraft("adapt", str(doc), *pair_args, "--eval", "0", "--rank", "4", home=tmp_path)  # text mode
+        assert out.returncode == 2 and "--mode teacher-forced" in out.stderr
+    out = omnidraft("adapt", str(doc), *pair_args, "--mode", "feed", home=tmp_path)
+    assert out.returncode == 2 and "use one of speculative, target, teacher-forced" in out.stderr
+    out = omnidraft("adapt", str(doc), *pair_args, "--eval", "0", "--rank", "4", home=tmp_path)  # teacher-forced
     assert out.returncode == 0, out.stderr
     assert "update 1" in out.stdout

@@ -210,7 +210,7 @@ def test_a_killed_rank_leaves_the_last_update_and_the_run_resumes(tmp_path, tiny
     assert all(h["examples"] == 4 for h in history)
 
 
-def test_modes_other_than_batch_are_refused_on_several_ranks(tmp_path, tiny_dirs):
+def test_modes_other_than_target_are_refused_on_several_ranks(tmp_path, tiny_dirs):
     doc = tmp_path / "doc.txt"
     doc.write_text("def add_1(x):\n    return x + 1\n")
     out = subprocess.run(
@@ -221,7 +221,8 @@ def test_modes_other_than_batch_are_refused_on_several_ranks(tmp_path, tiny_dirs
         env={**os.environ, "OMNIDRAFT_HOME": str(tmp_path)},
     )
     # Each rank says it in one line (the one that exits first makes mlx.launch stop the other).
-    assert "error: under mlx.launch adapt runs in batch mode (a JSONL corpus or --task), not text" in " ".join(
-        out.stderr.split()
+    assert (
+        "error: under mlx.launch adapt runs in the target mode (a JSONL corpus or --task), not teacher-forced"
+        in " ".join(out.stderr.split())
     ), out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "profiles").exists()

@@ -1,21 +1,23 @@
 """Adapting the drafter to what it is used for (paper's Algorithm 2, and a faster
 teacher-forced variant for local documents).
 
-- stream: prompts arrive one by one; each is answered by speculative decoding;
-  the verified reply goes into a buffer; every `interval` prompts the drafter
-  takes a distillation update on the buffer, which is then cleared (on-policy).
-- batch: the same data as stream, faster: the target alone answers `interval`
-  prompts at a time by batched greedy decoding, then the drafter learns from
-  the replies. Under greedy decoding a verified reply is the target's own
-  output whatever the drafter, and a batched decoding step costs little more
-  than a single one, so a corpus is learned from several times faster (stream
-  is what happens while the pair is in use). The acceptance head learns from
-  replays of the same replies (`head_labels`).
-- text: teacher-forced distillation directly on documents (or on the replies
-  in chat transcripts): one target forward per chunk, no generation.
+Three modes (`omnidraft adapt --mode`; their old names stream, batch and text still work):
+- speculative (learn_speculative): prompts arrive one by one; each is answered
+  by speculative decoding; the verified reply goes into a buffer; every
+  `interval` prompts the drafter takes a distillation update on the buffer,
+  which is then cleared (on-policy).
+- target (learn_from_target): the same data as speculative, faster: the target
+  alone answers `interval` prompts at a time by batched greedy decoding, then
+  the drafter learns from the replies. Under greedy decoding a verified reply is
+  the target's own output whatever the drafter, and a batched decoding step
+  costs little more than a single one, so a corpus is learned from several
+  times faster (speculative is what happens while the pair is in use). The
+  acceptance head learns from replays of the same replies (`head_labels`).
+- teacher-forced (learn_teacher_forced): distillation directly on documents (or
+  on the replies in chat transcripts): one target forward per chunk, no generation.
 After every update the profile is saved (adapter, optimizer, n-grams, corpus
 position), so `omnidraft adapt` resumes where it stopped.
-Batch mode also runs under `mlx.launch` (omnidraft_mlx.learn.distributed): each rank
+The target mode also runs under `mlx.launch` (omnidraft_mlx.learn.distributed): each rank
 answers its share of every update's prompts, the ranks average their gradients,
 every rank learns n-grams and head labels from all ranks' replies, and rank 0
 alone saves the profile.
@@ -45,6 +47,7 @@ from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.paths import LOCAL, Resolver
 from omnidraft_mlx.profile.store import Profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
+from omnidraft_mlx.settings import check_choice
 
 TEXT_SUFFIXES_SKIPPED = {".png", ".jpg", ".jpeg", ".gif", ".pdf", ".zip", ".gz", ".bin", ".safetensors", ".pyc"}
 
@@ -125,8 +128,8 @@ def read_corpus(path: str | Path) -> list[Sample]:
 
 def task_corpus(tasks: str, split: str = "adapt") -> list[Sample]:
     """A benchmark split as conversations: each prompt, with the dataset's reference
-    answer as the reply where it has one (stream mode answers the prompt itself;
-    text mode learns from the reference). Several tasks ("code,math,chat") are
+    answer as the reply where it has one (the speculative mode answers the prompt itself;
+    teacher-forced learns from the reference). Several tasks ("code,math,chat") are
     interleaved while they last, then the longer ones' rest (math: 1,000; code: 100)."""
     from omnidraft_mlx.tasks import load_task
 
@@ -203,7 +206,8 @@ class OnlineLearner:
             pair.draft.update(share_tree(pair.draft.trainable_parameters(), self.group))
             self.distiller.opt.state = share_tree(self.distiller.opt.state, self.group)
         self.buffer: list[Example] = []
-        self.history = None  # a lookup.HistoryIndex that learns the target's replies (batch and stream), when set
+        # A lookup.HistoryIndex that learns the target's replies (target and speculative modes), when set.
+        self.history = None
         self.corpus: str | None = None  # where the observed prompts come from, and how far
         self.position = 0
         self.last: UpdateReport | None = None
@@ -339,18 +343,31 @@ class Event:
 
     done: int  # items handled in this run
     position: int  # position reached in the corpus
-    acceptance: float | None = None  # of the last generation (stream)
+    acceptance: float | None = None  # of the last generation (speculative)
     update: UpdateReport | None = None
+
+
+MODES = ("speculative", "target", "teacher-forced")
+OLD_MODES = {"stream": "speculative", "batch": "target", "text": "teacher-forced"}  # their names before
+
+
+def check_mode(mode: str) -> str:
+    """The adaptation mode `mode` names (an old name gives its new one); a one-line error for others."""
+    mode = OLD_MODES.get(mode, mode)
+    check_choice("--mode", mode, MODES)
+    return mode
 
 
 def _prompt(sample: Sample, mode: str) -> list[dict]:
     """What the models are to answer for a corpus item; documents have nothing to answer."""
     if sample.messages is None:
-        raise OmniDraftError(f"{mode} mode needs prompts (a JSONL corpus or --task); use --mode text for documents")
+        raise OmniDraftError(
+            f"the {mode} mode needs prompts (a JSONL corpus or --task); use --mode teacher-forced for documents"
+        )
     return asked(sample.messages)
 
 
-def stream(
+def learn_speculative(
     learner: OnlineLearner,
     samples: list[Sample],
     spec: SpecConfig,
@@ -364,7 +381,7 @@ def stream(
     for idx in range(learner.position, len(samples)):
         if budget.spent(done):
             break
-        msgs = _prompt(samples[idx], "stream")
+        msgs = _prompt(samples[idx], "speculative")
         stats = SpecStats()
         draft_ids = encode_prompt(pair.draft_tok, msgs, learner.raw)
         target_ids = encode_prompt(pair.target_tok, msgs, learner.raw)
@@ -396,7 +413,7 @@ def stream(
     return records
 
 
-def batch(
+def learn_from_target(
     learner: OnlineLearner,
     samples: list[Sample],
     max_tokens: int,
@@ -418,7 +435,7 @@ def batch(
             stop = min(stop, start + budget.max_prompts - done)
         parts = shard(start, stop, learner.cfg.batch, group.rank(), group.size())
         mine = [i for part in parts for i in part]
-        prompts = {i: _prompt(samples[i], "batch") for i in mine}
+        prompts = {i: _prompt(samples[i], "target") for i in mine}
         ids = [encode_prompt(pair.target_tok, prompts[i], learner.raw) for i in mine]
         replies = dict(
             zip(
@@ -445,7 +462,7 @@ def batch(
             reply = replies[i].tolist()
             pair.learn_ngrams(reply)  # what verification would have taught the cache
             if learner.history is not None:  # as decoding would: the prompt's tail as context
-                context = encode_prompt(pair.target_tok, _prompt(samples[i], "batch"), learner.raw)[
+                context = encode_prompt(pair.target_tok, _prompt(samples[i], "target"), learner.raw)[
                     -learner.history.order :
                 ]
                 learner.history.add(context + reply, start=len(context))
@@ -481,7 +498,7 @@ def drafter_on_reply(pair: Pair, ids: list[int], start: int) -> tuple[mx.array, 
 
 
 def head_labels(pair: Pair, example: Example, policy: LearnedPolicy) -> tuple[np.ndarray, np.ndarray]:
-    """Acceptance-head data from a reply the drafter did not decode (batch mode):
+    """Acceptance-head data from a reply the drafter did not decode (the target mode):
     one teacher-forced drafter forward gives, at every reply position, the token
     it would draft there and whether the reply goes on with it; replaying greedy
     speculative decoding over those outcomes gives each drafted one its depth and
@@ -529,7 +546,7 @@ def text_examples(pair: Pair, sample: Sample, max_len: int, raw: bool = False) -
     return [make_example(pair, [], [], ids[i : i + chunk], max_len) for i in range(0, len(ids), chunk)]
 
 
-def text(
+def learn_teacher_forced(
     learner: OnlineLearner, samples: list[Sample], budget: Budget, on_event: Callable[[Event], None] = lambda e: None
 ) -> None:
     """Teacher-forced distillation over the corpus, an update every `interval` items."""
