@@ -23,9 +23,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_top_p
 
-from omnidraft_mlx.decode.batch import verify_together
+from omnidraft_mlx.decode.batch import forward_rounds
 from omnidraft_mlx.decode.drafter import DrafterSource, softmax
-from omnidraft_mlx.decode.drafts import SOURCES, Context, Draft, check_sources, point_mass
+from omnidraft_mlx.decode.drafts import SOURCES, Context, Draft, check_sources
 from omnidraft_mlx.decode.kvcache import KVSlot
 from omnidraft_mlx.decode.lookup import ContextLookup, HistoryIndex, HistorySource, escaped_views
 from omnidraft_mlx.decode.policy import DraftPolicy, FixedPolicy, PolicyConfig
@@ -138,8 +138,8 @@ def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return r / total if total > 0 else p
 
 
-def verify(out: mx.array, tree: TokenTree, draft: Draft, cfg: SpecConfig, rng) -> tuple[list[int], int]:
-    """(the accepted path of tree nodes, the target's next token). Row 0 of `out` is the
+def accept(out: mx.array, tree: TokenTree, draft: Draft, cfg: SpecConfig, rng) -> tuple[list[int], int]:
+    """The acceptance rule: (the accepted path of tree nodes, the target's next token). Row 0 of `out` is the
     root's, row i + 1 node i's. Greedy: follow the child the target's argmax names.
     Sampling (SpecInfer's multi-draft rule), a node's children in turn: accept t with
     min(1, p(t)/q(t)), else p <- norm(max(0, p - q)) and try the next; none accepted:
@@ -157,7 +157,7 @@ def verify(out: mx.array, tree: TokenTree, draft: Draft, cfg: SpecConfig, rng) -
         row = p[node + 1]
         for child in tree.children(node):
             t = tree.tokens[child]
-            q = draft.proposal(child, len(row)) if child < tree.chain else point_mass(t, len(row))
+            q = draft.proposal(child, t, len(row))
             if rng.random() * q[t] < row[t]:
                 break
             row = residual(row, q)
@@ -190,7 +190,7 @@ def make_sources(
 
 class Decoding:
     """One reply's decode, a round at a time: plan() the round's draft tree, the target
-    verifies it (KVSlot.verify, alone, or batched with other replies: batch.py), take()
+    verifies it (KVSlot.forward_tree, alone, or batched with other replies: batch.py), take()
     its logits. Prefill happens on construction; close() when done or abandoned.
 
     Given slots, their caches are reused (common prefix kept); afterwards each holds what
@@ -223,7 +223,7 @@ class Decoding:
         stats.cached_tokens = min(target.common_prefix(target_prompt), len(target_prompt) - 1)
         target.reuse(pair.target, target_prompt[:-1])
         self.scheduler = scheduler or Scheduler()
-        self.scheduler.begin_reply(
+        self.sources = self.scheduler.begin_reply(
             make_sources(pair, draft_prompt, target_prompt, cfg, policy, history, draft_slot, learn_history),
             cfg.guard,
             self.ctx,
@@ -234,29 +234,28 @@ class Decoding:
         stats.prefill_s = time.perf_counter() - t_start
         self.t_gen, self.y = time.perf_counter(), target_prompt[-1]  # y: the last token, the next forward's root
         self.done = False
-        self.draft, self.tree, self.draft_s = None, None, 0.0
+        self.round, self.tree, self.draft_s = None, None, 0.0
 
     def plan(self) -> TokenTree:
         """This round's draft (the scheduler's choice; no tokens: a plain step), as the tree to verify after y."""
         t0, left = time.perf_counter(), self.cfg.max_tokens - len(self.ctx.committed)
-        self.draft = self.scheduler.propose(self.ctx, left)
-        self.draft.tokens = self.draft.tokens[: left - 1]  # room for the target's own token
-        self.tree = self.draft.tree()
+        self.round = self.scheduler.propose(self.sources, self.ctx, left)
+        self.tree = self.round.draft.tree()
         self.draft_s = time.perf_counter() - t0
         return self.tree
 
     def take(self, out: mx.array, forward_s: float) -> tuple[list[int], list[bool]]:
         """The target's logits over [y, *tree] (evaluated in forward_s: in a batch, this reply's
         share) -> (new target ids, which of them were drafted); the caches keep them."""
-        ctx, draft, tree, stats = self.ctx, self.draft, self.tree, self.stats
+        ctx, draft, tree, stats = self.ctx, self.round.draft, self.tree, self.stats
         t1 = time.perf_counter()
-        path, self.y = verify(out, tree, draft, self.cfg, ctx.rng)
+        path, self.y = accept(out, tree, draft, self.cfg, ctx.rng)
         verify_s = forward_s + time.perf_counter() - t1
         self.target.keep_path(tree, path)
         new = [*(tree.tokens[i] for i in path), self.y]
         timing = dict(draft_s=self.draft_s, verify_s=verify_s, round_s=self.draft_s + verify_s, tokens=len(new))
         on_chain = tree.on_chain(path)
-        self.scheduler.settle(draft, on_chain, timing, len(tree.tokens), len(path) - on_chain)
+        self.scheduler.settle(self.round, on_chain, timing, len(tree.tokens), len(path) - on_chain)
         stats.add_round(draft, tree, path, self.draft_s, verify_s)
         stop = next((i for i, t in enumerate(new) if t in self.target_eos), None)
         new = new[:stop][: self.cfg.max_tokens - len(ctx.committed)]
@@ -271,7 +270,7 @@ class Decoding:
         return new, [i < len(path) for i in range(len(new))]
 
     def close(self) -> None:
-        self.scheduler.end_reply(self.ctx)
+        self.scheduler.end_reply(self.sources, self.ctx)
 
 
 def decode_together(decodings: list[Decoding]) -> Iterator[dict[int, tuple[list[int], list[bool]]]]:
@@ -281,7 +280,7 @@ def decode_together(decodings: list[Decoding]) -> Iterator[dict[int, tuple[list[
     decodings is the caller's."""
     while active := [(i, d) for i, d in enumerate(decodings) if not d.done]:
         trees = [d.plan() for _, d in active]
-        verified = verify_together([d for _, d in active], trees)
+        verified = forward_rounds([d for _, d in active], trees)
         yield {i: d.take(out, seconds) for (i, d), (out, seconds) in zip(active, verified)}
 
 
