@@ -179,6 +179,7 @@ class Scheduler:
             draft = choice
         else:
             draft = choice.propose(ctx, limit, free[guess].tokens if guess else ())
+        # Padded within the budget, branched; the cut leaves room for the target's own token.
         draft = self._branch(self._pad(reply, draft, ctx, limit - 1)).cut(limit - 1)
         rival = max((rate for k, rate in everything.items() if k != key), default=None)
         return Round(draft, rival, looked_up=key in free)
