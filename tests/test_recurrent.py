@@ -10,7 +10,9 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from omnidraft_mlx.decode.batch import batch_forward
 from omnidraft_mlx.decode.kvcache import KVSlot
+from omnidraft_mlx.decode.layouts import batch_layout
 from omnidraft_mlx.decode.recurrent import StepsCache, layers
 from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats, decode_together, speculative_generate
 from omnidraft_mlx.decode.tree import TokenTree
@@ -241,7 +243,31 @@ def test_greedy_speculation_equals_plain_decoding(family, tok, tiny):
         assert 0 < stats.accepted < stats.proposed
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "mamba2", "lfm2"])
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_batched_rows_keep_their_own_states(family):
+    """Rows of different lengths in one forward (batch.py): each row's logits and, after a rollback
+    into the forward, its states equal those of its own forward."""
+    model = build(family)
+    ids = np.random.default_rng(1).integers(0, V, 40).tolist()
+    slots, alone = [KVSlot.fresh(model) for _ in range(3)], [KVSlot.fresh(model) for _ in range(3)]
+    for i, (slot, ref) in enumerate(zip(slots, alone)):
+        slot.extend(model, ids[i : i + 4 + 3 * i])
+        ref.extend(model, ids[i : i + 4 + 3 * i])
+    trees = [TokenTree.of(ids[20 + i : 20 + i + w]) for i, w in enumerate((5, 1, 3))]
+    roots = ids[30:33]
+    assert batch_layout(model) is not None
+    outs = batch_forward(model, slots, roots, trees, batch_layout(model))
+    for slot, ref, root, tree, out, keep in zip(slots, alone, roots, trees, outs, (2, 0, 3)):
+        want = ref.forward_tree(model, root, tree)
+        assert mx.allclose(out, want, atol=1e-4).item()
+        slot.rewind(len(slot.tokens) - len(tree.tokens) + keep)
+        ref.rewind(len(ref.tokens) - len(tree.tokens) + keep)
+        assert slot.tokens == ref.tokens
+        for x, y in zip(recurrent_states(slot.cache), recurrent_states(ref.cache)):
+            assert mx.allclose(x, y, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2", "lfm2", "falcon_h1"])
 def test_batched_and_tree_requests_equal_plain_decoding(family, tok, tiny):
     """Two replies verified together (each its own states) with tree drafting asked for (hybrids verify chains)."""
     target = build(family)

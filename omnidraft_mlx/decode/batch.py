@@ -20,6 +20,7 @@ from mlx_lm.models.cache import KVCache
 
 from omnidraft_mlx.decode.kvcache import KVSlot
 from omnidraft_mlx.decode.layouts import batch_layout, takes_trees
+from omnidraft_mlx.decode.recurrent import StepsCache, finish_rows, layers, rows_view
 from omnidraft_mlx.decode.tree import TokenTree, positions_rope, tree_mask
 
 
@@ -52,8 +53,9 @@ class RowsView:
 
 
 def batchable(slots: list[KVSlot]) -> bool:
-    """Rows can share a forward when every layer's cache is a plain (or windowed) KVCache."""
-    return all(isinstance(c, KVCache) for slot in slots for c in slot.cache)
+    """Rows can share a forward when every layer's cache is a plain (or windowed) KVCache, or a
+    recurrent layer's StepsCache (each row keeps its own states: recurrent.RowsStates)."""
+    return all(isinstance(s, (KVCache, StepsCache)) for slot in slots for c in slot.cache for s in layers(c))
 
 
 def forward_trees(model, slots: list[KVSlot], roots: list[int], trees: list[TokenTree]) -> list[mx.array]:
@@ -86,12 +88,15 @@ def batch_forward(model, slots: list[KVSlot], roots: list[int], trees: list[Toke
     for i, (root, tree, (depth, _), length) in enumerate(zip(roots, trees, rows, lengths)):
         inputs[i, : len(depth)] = [root, *tree.tokens]
         positions[i, : len(depth)] = length + depth
+    widths = [len(depth) for depth, _ in rows]
     views = [
-        RowsView([slot.cache[layer] for slot in slots], lengths, rows, layout) for layer in range(len(slots[0].cache))
+        rows_view([slot.cache[layer] for slot in slots], widths, lambda caches: RowsView(caches, lengths, rows, layout))
+        for layer in range(len(slots[0].cache))
     ]
     try:
         with positions_rope(model, mx.array(positions)):
             out = model(mx.array(inputs), cache=views)
+            finish_rows(views)
             mx.eval(out)
     except BaseException:
         for slot, length in zip(slots, lengths):

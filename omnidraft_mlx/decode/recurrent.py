@@ -33,6 +33,8 @@ import mlx.nn as nn
 from mlx_lm.models import gated_delta, ssm
 from mlx_lm.models.cache import ArraysCache, CacheList
 
+from omnidraft_mlx.errors import OmniDraftError
+
 HISTORY = 16  # offsets whose states a StepsCache keeps (one-token forwards: a drafter's draft)
 RECORD_MAX = 64  # forwards longer than this (prompt processing) keep only their last state
 
@@ -117,6 +119,63 @@ class StepsCache(ArraysCache):
 
     def reset(self) -> None:
         self.__init__(len(self.cache))
+
+
+class RowsStates:
+    """One recurrent layer's StepsCaches of a batch's rows (batch.py), seen as one cache: the rows'
+    states stacked on the batch axis, their tokens right-padded to the longest (padding comes after
+    a row's own tokens, so it never reaches them). finish() gives each row's cache what its own
+    forward over its own tokens would have left: the states at its length, and its records."""
+
+    lengths = left_padding = None  # no masking: the padding is dropped at finish()
+
+    def __init__(self, caches: list, widths: list[int]):
+        self.caches, self.widths = caches, widths
+        self.records: dict[int, tuple[str, mx.array]] = {}
+        self.written: dict[int, mx.array] = {}
+
+    def __getitem__(self, idx):
+        global _read
+        _read = (self, idx)
+        if idx in self.written:
+            return self.written[idx]
+        values = [c.cache[idx] for c in self.caches]
+        if all(v is None for v in values):
+            return None
+        like = next(v for v in values if v is not None)
+        return mx.concatenate([mx.zeros_like(like) if v is None else v for v in values])
+
+    def __setitem__(self, idx, value):
+        self.written[idx] = value
+
+    def record(self, idx: int, kind: str, value: mx.array) -> None:
+        self.records[idx] = (kind, value)
+
+    def make_mask(self, N: int):
+        return None
+
+    def advance(self, N: int):
+        pass  # finish() advances each row by its own width
+
+    def finish(self) -> None:
+        short = min(self.widths) < max(self.widths)
+        if short and any(idx not in self.records for idx in self.written):
+            raise OmniDraftError("a recurrent layer kept no per-position state: its rows cannot share a forward")
+        for r, (c, n) in enumerate(zip(self.caches, self.widths)):
+            values, records = list(c.cache), {}
+            for idx, value in self.written.items():
+                values[idx] = value[r : r + 1]  # right for a row as long as the batch; else replaced below
+            for idx, (kind, value) in self.records.items():
+                if kind == "conv":
+                    keep = self.written[idx].shape[1]
+                    records[idx] = (kind, value[r : r + 1, : n + keep])
+                    values[idx] = value[r : r + 1, n : n + keep]
+                else:
+                    records[idx] = (kind, value[r : r + 1, :n])
+                    values[idx] = value[r : r + 1, n - 1]
+            c.cache, c.steps, c.closed = values, (c.offset, n, records), True
+            c.offset += n
+            c._remember()
 
 
 class StepsConv1d(nn.Conv1d):
@@ -247,6 +306,26 @@ class StepsCacheList(CacheList):
     @property
     def offset(self) -> int:
         return max(c.offset for c in self.caches)
+
+
+def rows_view(caches: list, widths: list[int], view):
+    """One layer's caches of a batch's rows as one: RowsStates for recurrent ones, `view(caches)`
+    (batch.RowsView) for attention ones, a CacheList of both for a layer with both."""
+    if isinstance(caches[0], StepsCache):
+        return RowsStates(caches, widths)
+    if isinstance(caches[0], CacheList):
+        return CacheList(
+            *(rows_view([c.caches[i] for c in caches], widths, view) for i in range(len(caches[0].caches)))
+        )
+    return view(caches)
+
+
+def finish_rows(views: list) -> None:
+    """After the batch's forward: each row's recurrent caches take their own states."""
+    for v in views:
+        for s in layers(v):
+            if isinstance(s, RowsStates):
+                s.finish()
 
 
 def layers(c) -> list:
