@@ -6,7 +6,7 @@ A part (the n-gram cache, the acceptance head, ...) is any object with
 - merge(other): become `other` (the same part as another process saved it) plus what this
   one learned since it was loaded or last saved (a part tracks that itself);
 and a reader, read(path) -> a copy of the part as saved there. The profile
-(omnidraft_mlx/profile.py) loads, merges and saves every part the same way,
+(profile/store.py) loads, merges and saves every part the same way,
 so a new part is one `Profile.attach` call.
 """
 

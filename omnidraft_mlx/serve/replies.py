@@ -2,7 +2,7 @@
 
 Content, tool calls (message.tool_calls, or delta.tool_calls once a call parses)
 and the target's log-probabilities (choices[0].logprobs.content) come from the
-job's events (serve_decode.py). `usage` has prompt, completion and cached
+job's events (request.py). `usage` has prompt, completion and cached
 prompt tokens, and `usage.speculative` what the drafter did. A client that goes away cancels its job: a waiting
 request notices within half a second, a stream when its next event is sent
 (a queued stream gets an SSE comment every few seconds, so it notices too).

@@ -3,7 +3,7 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health; the Responses
 API (responses.py) and Anthropic's Messages API (messages.py) translate to the chat route's request.
 A request is parsed and encoded here (in a worker thread), queued on the
-engine, and answered from its job's events (serve_replies.py). Every error
+engine, and answered from its job's events (replies.py). Every error
 reaches the client as an OpenAI error body; nothing here stops the server.
 """
 

@@ -6,7 +6,7 @@ merged token. Entries are learned from verified text, bounded in number with
 least-frequently-used eviction, and saved atomically so they survive runs.
 A cache tracks what it learned since it was loaded or saved (new entries,
 lookups), so that merging it with a copy another process saved keeps both
-(a part of the pair's profile: omnidraft_mlx/learned.py).
+(a part of the pair's profile: omnidraft_mlx/profile/learned.py).
 """
 
 from __future__ import annotations
