@@ -1,0 +1,272 @@
+"""Tiny random-weight causal LMs of every mlx-lm family that builds on a CPU.
+
+Each family's ModelArgs gets a shared tiny base (hidden 64, 2 layers, 4 heads,
+a 256-token vocabulary) and what its own settings need on top. A family's
+settings that only name what it lacks (no vision tower, no Metal kernel) list
+it in UNBUILDABLE with the reason, so the matrix says why it is not run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+
+import mlx.core as mx
+
+VOCAB = 320  # the tiny tokenizers (tests/tiny_models.py) fit
+BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    rms_norm_eps=1e-5,
+    layer_norm_eps=1e-5,
+    layer_norm_epsilon=1e-5,
+    norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    mlp_bias=False,
+    # other families' names for the same sizes
+    n_embd=64,
+    n_layer=2,
+    n_head=4,
+    n_positions=512,
+    n_inner=128,
+    n_ctx=512,
+    d_model=64,
+    n_heads=4,
+    n_layers=2,
+    num_layers=2,
+    model_dim=64,
+    num_heads=4,
+    num_kv_heads=2,
+    # mixtures of experts
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_local_experts=4,
+    shared_expert_intermediate_size=32,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=0,
+    routed_scaling_factor=1.0,
+    # latent attention
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    # state spaces
+    state_size=8,
+    conv_kernel=4,
+    expand=2,
+    time_step_rank=8,
+    ssm_state_size=8,
+    n_groups=1,
+    rotary_dim=8,
+    partial_rotary_factor=0.5,
+    rotary_pct=0.5,
+    sliding_window=8,
+)
+LINEAR_ATTENTION = dict(
+    linear_num_value_heads=2,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=2,
+    partial_rotary_factor=0.25,
+)
+GEMMA3 = dict(query_pre_attn_scalar=16, sliding_window_pattern=2, rope_local_base_freq=10000.0)
+GRANITE = dict(logits_scaling=2.0, attention_multiplier=0.25, embedding_multiplier=2.0, residual_multiplier=0.5)
+MAMBA = dict(
+    mamba_n_heads=4,
+    mamba_d_head=32,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_n_groups=1,
+    mamba_proj_bias=False,
+    mamba_conv_bias=True,
+    mamba_chunk_size=16,
+    time_step_limit=(0.001, 100.0),
+)
+
+FAMILIES: dict[str, dict] = {
+    "apertus": {},
+    "cohere": {},
+    "cohere2": dict(sliding_window_pattern=2),
+    "dbrx": dict(
+        ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+    ),
+    "deepseek": {},
+    "deepseek_v3": {},
+    "ernie4_5": {},
+    "exaone": {},
+    "exaone4": {},
+    "falcon_h1": dict(MAMBA, mamba_d_head=16, mamba_d_ssm=64, mamba_expand=1, mlp_expansion_factor=2),
+    "gemma": {},
+    "gemma2": dict(query_pre_attn_scalar=16),
+    "gemma3_text": GEMMA3,
+    "gemma3": dict(text_config=dict(GEMMA3, model_type="gemma3_text")),
+    "glm": {},
+    "glm4": {},
+    "glm4_moe": {},
+    "gpt2": {},
+    "gpt_bigcode": {},
+    "gpt_neox": dict(rotary_emb_base=10000.0, rotary_pct=0.25),
+    "gpt_oss": {},
+    "gptj": {},
+    "granite": GRANITE,
+    "granitemoe": GRANITE,
+    "granitemoehybrid": dict(GRANITE, **MAMBA, layer_types=["mamba", "attention"], shared_intermediate_size=64),
+    "helium": {},
+    "hunyuan_v1_dense": {},
+    "internlm2": {},
+    "internlm3": {},
+    "lfm2": dict(
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=64,
+        block_ff_dim=128,
+        block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        full_attn_idxs=[1],
+    ),
+    "llama": {},
+    "mamba": dict(use_bias=False, use_conv_bias=True, tie_word_embeddings=True),
+    "mamba2": dict(
+        head_dim=32,
+        use_bias=False,
+        use_conv_bias=True,
+        tie_word_embeddings=True,
+        time_step_limit=(0.001, 100.0),
+    ),
+    "mimo": {},
+    "minicpm": dict(dim_model_base=32, scale_depth=1.4, scale_emb=2.0),
+    "minimax": {},
+    "ministral3": dict(
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "llama_4_scaling_beta": 0.0,
+            "original_max_position_embeddings": 512,
+        }
+    ),
+    "mistral3": dict(text_config=dict(model_type="llama")),
+    "mixtral": {},
+    "nanochat": {},
+    "nemotron": {},
+    "nemotron_h": dict(
+        MAMBA,
+        mamba_num_heads=4,
+        mamba_head_dim=32,
+        hybrid_override_pattern="M*-",
+        num_hidden_layers=3,
+        use_bias=False,
+        use_conv_bias=True,
+    ),
+    "olmo2": {},
+    "olmo3": dict(layer_types=["sliding_attention", "full_attention"]),
+    "olmoe": {},
+    "phi": {},
+    "phi3": {},
+    "phimoe": {},
+    "qwen2": {},
+    "qwen2_moe": {},
+    "qwen3": {},
+    "qwen3_moe": {},
+    "qwen3_5": dict(text_config=dict(LINEAR_ATTENTION, num_experts=0)),
+    "qwen3_next": dict(LINEAR_ATTENTION),
+    "recurrent_gemma": dict(
+        conv1d_width=4,
+        logits_soft_cap=30.0,
+        attention_window_size=8,
+        block_types=["recurrent", "attention"],
+    ),
+    "rwkv7": dict(a_low_rank_dim=8, v_low_rank_dim=8, gate_low_rank_dim=8, decay_low_rank_dim=8),
+    "seed_oss": {},
+    "smollm3": {},
+    "stablelm": {},
+    "starcoder2": {},
+}
+
+# Families with recurrent state (kept per draft position and rolled back: decode/recurrent.py).
+RECURRENT = {
+    "falcon_h1",
+    "granitemoehybrid",
+    "lfm2",
+    "mamba",
+    "mamba2",
+    "nemotron_h",
+    "qwen3_5",
+    "qwen3_next",
+    "recurrent_gemma",
+    "rwkv7",
+}
+
+
+def config(family: str) -> dict:
+    """The family's tiny settings as a config.json would hold them."""
+    extra = FAMILIES[family]
+    cfg = dict(BASE, model_type=family, **{k: v for k, v in extra.items() if k != "text_config"})
+    if "text_config" in extra:
+        cfg["text_config"] = dict(BASE, **{"model_type": family, **extra["text_config"]})
+    return cfg
+
+
+def build(family: str, seed: int = 0, noise: float = 0.0):
+    """A tiny random-weight model of the family (seeded); noise > 0 perturbs every weight by
+    that fraction of its scale (a drafter that agrees with the target often, not always)."""
+    mod = importlib.import_module(f"mlx_lm.models.{family}")
+    cfg = config(family)
+    known = {f.name for f in dataclasses.fields(mod.ModelArgs)}
+    missing = [f.name for f in dataclasses.fields(mod.ModelArgs) if _required(f) and f.name not in cfg]
+    cfg.update(dict.fromkeys(missing))  # settings this family does not use at this size
+    mx.random.seed(seed)
+    model = mod.Model(mod.ModelArgs.from_dict({k: v for k, v in cfg.items() if k in known}))
+    # Sharper logits than the default init (a trained model's are peaked): greedy ties are rare.
+    model.update(_sharpen(model.parameters()))
+    if noise:
+        mx.random.seed(seed + 1)
+        model.update(_perturb(model.parameters(), noise))
+    mx.eval(model.parameters())
+    return model
+
+
+def _required(f) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _map(tree, fn):
+    if isinstance(tree, dict):
+        return {k: _map(v, fn) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_map(v, fn) for v in tree]
+    return fn(tree)
+
+
+def _sharpen(params):
+    return _map(params, lambda a: a * 2.0 if a.ndim >= 2 and a.dtype == mx.float32 else a)
+
+
+def _perturb(params, noise: float):
+    def fn(a):
+        if a.dtype != mx.float32:
+            return a
+        scale = math.sqrt(float(mx.mean(a * a).item())) or 1.0
+        return a + noise * scale * mx.random.normal(a.shape)
+
+    return _map(params, fn)
