@@ -203,16 +203,11 @@ FAMILIES: dict[str, dict] = {
     "starcoder2": {},
 }
 
-# Families with recurrent state (kept per draft position and rolled back: decode/recurrent.py).
+# Families with recurrent state that does not roll back yet. decode/recurrent.py keeps the state per
+# draft position for gated delta (qwen3_5, qwen3_next), Mamba-2 (mamba2, nemotron_h, granitemoehybrid,
+# falcon_h1) and short-convolution (lfm2) layers; not for Mamba-1, RG-LRU or RWKV-7.
 RECURRENT = {
-    "falcon_h1",
-    "granitemoehybrid",
-    "lfm2",
     "mamba",
-    "mamba2",
-    "nemotron_h",
-    "qwen3_5",
-    "qwen3_next",
     "recurrent_gemma",
     "rwkv7",
 }
