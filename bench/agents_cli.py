@@ -119,6 +119,7 @@ name = "omnidraft"
 base_url = "{url}/v1"
 env_key = "OMNIDRAFT_API_KEY"
 wire_api = "responses"
+stream_idle_timeout_ms = 3600000
 """
 
 
@@ -237,6 +238,13 @@ class Recorder:
             turn["error"] = text[:500]
         turn["_body"] = body  # for the plain replay; not written out
         self.turns.append(turn)
+        usage = turn.get("usage") or {}
+        print(
+            f"  {label.get('agent')} {label.get('task')}: {request.method} {request.url.path} {status} "
+            f"{turn['wall_s']:.1f} s, prompt {usage.get('prompt_tokens')} (cached {usage.get('cached_tokens')}), "
+            f"reply {usage.get('completion_tokens')}, calls {[c['name'] for c in turn.get('tool_calls', [])]}",
+            flush=True,
+        )
 
     def stop(self) -> None:
         self.server.should_exit = True

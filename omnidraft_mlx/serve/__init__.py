@@ -1,6 +1,8 @@
 """`omnidraft serve`: an OpenAI-compatible HTTP API over a drafter/target pair.
 server starts it; schema checks request bodies, routes is the FastAPI app,
-replies turns a job's events into JSON or server-sent events, engine decodes
+replies turns a job's events into JSON or server-sent events (responses and
+messages: the Responses API and Anthropic's Messages API, translated onto the
+chat route's request and back), engine decodes
 the active requests together a round at a time, request is one request's
 decode, text cuts stop strings and splits tool calls, tools speaks the target's
 tool-call format, logprobs gives the target's log-probabilities, learning

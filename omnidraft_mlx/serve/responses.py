@@ -219,10 +219,12 @@ class Reply:
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
 
     def start(self) -> list[dict]:
-        return [
-            self.event("response.created", response=self.response("in_progress", output=[])),
-            self.event("response.in_progress", response=self.response("in_progress", output=[])),
-        ]
+        return [self.event("response.created", response=self.response("in_progress")), *self.progress()]
+
+    def progress(self) -> list[dict]:
+        """response.in_progress: also every few seconds while the reply waits in the queue or its long
+        prompt prefills (Codex CLI gives up on a stream that sends no event for a while)."""
+        return [self.event("response.in_progress", response=self.response("in_progress"))]
 
     def add_text(self, piece: str) -> list[dict]:
         """Text: into the open message item (opened first if there is none)."""
@@ -334,8 +336,7 @@ async def streamed(job, reply: Reply, keep):
         if kind == "start":
             out = reply.start()
         elif kind == "waiting":
-            yield ": waiting\n\n"  # keeps the connection alive while queued
-            continue
+            out = reply.progress()
         elif kind == "error":
             out = reply.failed(payload)
         elif kind == "text":
