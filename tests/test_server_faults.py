@@ -101,9 +101,11 @@ def test_a_failure_inside_one_request_fails_that_request_only(server, client, ti
         time.sleep(1.0)
 
 
-def test_many_clients_encoding_long_prompts_at_once(server, client, tiny, tiny_dirs):
+def test_many_clients_encoding_long_prompts_at_once(server, tiny, tiny_dirs):
     """The HTTP threads encode prompts while the engine decodes: each gets its own prompt's reply."""
     model, tok = str(tiny_dirs["target"]), tiny["target"][1]
+    # A client of its own: no kept-alive connection that the server may be closing as it is reused.
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
     prompts = [f"# {i}\n" + "".join(f"def add_{i + j}(x): return x + {i * j}\n" for j in range(60)) for i in range(16)]
     got, errors = {}, []
 
