@@ -121,6 +121,15 @@ class StepsCache(ArraysCache):
         self.__init__(len(self.cache))
 
 
+def _recorder() -> tuple | None:
+    """(cache, slot) to record into: the cache read last, unless its layer's forward is done and
+    already recorded that slot (then the read was not a layer's about to run: a model's own check)."""
+    if _read is None:
+        return None
+    cache, idx = _read
+    return None if getattr(cache, "closed", False) and idx in cache.records else _read
+
+
 class RowsStates:
     """One recurrent layer's StepsCaches of a batch's rows (batch.py), seen as one cache: the rows'
     states stacked on the batch axis, their tokens right-padded to the longest (padding comes after
@@ -182,9 +191,8 @@ class StepsConv1d(nn.Conv1d):
     """A recurrent layer's short convolution that hands its padded input to the cache just read."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if _read is not None:
-            cache, idx = _read
-            cache.record(idx, "conv", x)
+        if (to := _recorder()) is not None:
+            to[0].record(to[1], "conv", x)
         return super().__call__(x)
 
 
@@ -207,16 +215,16 @@ def _keeping_gated_delta(update):
 
     def keeping(*args, **kwargs):
         global _steps
-        if _read is None or not 1 < args[0].shape[1] <= RECORD_MAX:
+        to = _recorder()
+        if to is None or not 1 < args[0].shape[1] <= RECORD_MAX:
             y, state = update(*args, **kwargs)
-            if _read is not None and args[0].shape[1] == 1:
-                _read[0].record(_read[1], "states", state[:, None])
+            if to is not None and args[0].shape[1] == 1:
+                to[0].record(to[1], "states", state[:, None])
             return y, state
-        cache, idx = _read
         _steps = []
         try:
             y, state = update(*args, **{**kwargs, "use_kernel": False})
-            cache.record(idx, "states", mx.stack(_steps, axis=1))
+            to[0].record(to[1], "states", mx.stack(_steps, axis=1))
         finally:
             _steps = None
         return y, state
@@ -244,9 +252,8 @@ def _keeping_ssm(update):
 
     def keeping(*args, **kwargs):
         out = update(*args, **kwargs)
-        if _read is not None and args[0].shape[1] <= RECORD_MAX:
-            cache, idx = _read
-            cache.record(idx, "states", ssm_states(*args, **kwargs) if args[0].shape[1] > 1 else out[1][:, None])
+        if (to := _recorder()) is not None and args[0].shape[1] <= RECORD_MAX:
+            to[0].record(to[1], "states", ssm_states(*args, **kwargs) if args[0].shape[1] > 1 else out[1][:, None])
         return out
 
     keeping.steps_wrapped = True
