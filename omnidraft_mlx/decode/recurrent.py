@@ -4,15 +4,21 @@ Hybrid models (Qwen3.5, Qwen3-Next, LFM2, Mamba-2, Nemotron-H, Granite 4, Falcon
 keep an ArraysCache per recurrent layer: a convolution state (the last K-1 inputs of
 the layer's short causal convolution) and, for gated delta and Mamba-2 layers, a
 recurrent state. A verify forward over k draft tokens absorbs all of them, and a
-rejected token cannot be subtracted back out. So the same forward keeps the state
-after each of its positions, and a rollback picks the one at the accepted length:
+rejected token cannot be subtracted back out. So the same forward keeps what gives
+the state after each of its positions (Steps: by reference, nothing copied), and a
+rollback takes the one at the accepted length:
 
 - convolution state: free, the K-1 inputs ending at the accepted position, all in the
   convolution's own (padded) input, which a Conv1d subclass keeps;
 - gated delta state: mlx-lm's ops path steps over the positions anyway; each step's
   state is kept (gated_delta's step function wrapped, the kernel skipped while keeping);
-- Mamba-2 state: mlx-lm's chunked scan returns only the last state; the state after
-  each position is the same sum, cut at that position (ssm_states).
+- Mamba-2 state: mlx-lm's chunked scan returns only the last state; the one at the
+  accepted length is the same sum over the accepted positions only, computed on
+  rollback from the inputs the scan was given (ssm_state).
+
+Batched rows (batch.py) stack their states (RowsStates) and each gets back its own.
+Trees are verified as chains on these models (kvcache.py): a branch's state would
+depend on its own path.
 
 mlx-lm's layers are used as they are: they read their cache (StepsCache, an
 ArraysCache that notes which of its slots was read last), call the convolution and
@@ -27,6 +33,8 @@ the sequence afresh.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,13 +49,26 @@ RECORD_MAX = 64  # forwards longer than this (prompt processing) keep only their
 _read: tuple | None = None  # (StepsCache, slot) read last: the layer about to run its recurrence
 
 
+@dataclass
+class Steps:
+    """What a layer's forward over n positions kept for one cache slot: at(m), the slot's value after
+    its first m positions (1 <= m <= n), computed only when a rollback asks (nothing is copied before)."""
+
+    n: int
+    at: Callable[[int], mx.array]
+
+    def row(self, r: int, n: int) -> Steps:
+        """Row r of a batch, n positions of its own."""
+        return Steps(n, lambda m: self.at(m)[r : r + 1])
+
+
 class StepsCache(ArraysCache):
     """A recurrent layer's cache that can roll back into its last forward."""
 
     def __init__(self, size: int):
         super().__init__(size)
         self.offset = 0  # positions absorbed
-        self.records: dict[int, tuple[str, mx.array]] = {}  # slot -> what the layer's forward kept
+        self.records: dict[int, Steps] = {}  # slot -> what the layer's forward kept
         self.steps: tuple[int, int, dict] | None = None  # (start, length, records) of the last forward
         self.closed = True  # the last forward has advanced: the next read starts another
         self.history: dict[int, list] = {0: list(self.cache)}  # offset -> slot values there
@@ -59,9 +80,9 @@ class StepsCache(ArraysCache):
         _read = (self, idx)
         return self.cache[idx]
 
-    def record(self, idx: int, kind: str, value: mx.array) -> None:
+    def record(self, idx: int, steps: Steps) -> None:
         """Keep what the layer's forward computed for slot idx (its convolution may run after advance)."""
-        self.records[idx] = (kind, value)
+        self.records[idx] = steps
 
     def advance(self, N: int):
         """The layer's forward over N positions is done."""
@@ -70,14 +91,9 @@ class StepsCache(ArraysCache):
         self.offset += N
         self._remember()
 
-    def _fits(self, idx: int, record: tuple[str, mx.array], N: int) -> bool:
-        kind, value = record
+    def _fits(self, idx: int, steps: Steps, N: int) -> bool:
         now = self.cache[idx]
-        if now is None:
-            return False
-        if kind == "conv":  # the padded input: K-1 earlier inputs, then N new ones
-            return value.shape[1] == now.shape[1] + N and value.shape[2:] == now.shape[2:]
-        return value.shape[1] == N and value.shape[2:] == now.shape[1:]
+        return now is not None and steps.n == N and steps.at(1).shape == now.shape  # shapes only: nothing runs
 
     def _remember(self) -> None:
         self.history[self.offset] = list(self.cache)
@@ -96,9 +112,8 @@ class StepsCache(ArraysCache):
         if not 0 < m < n or not all(i in records and self._fits(i, records[i], n) for i in kept):
             return None
         values = list(self.cache)
-        for idx, (kind, value) in records.items():
-            keep = self.cache[idx].shape[1]
-            values[idx] = value[:, m : m + keep] if kind == "conv" else value[:, m - 1]
+        for idx, steps in records.items():
+            values[idx] = steps.at(m)
         return values
 
     def can_trim(self, n: int) -> bool:
@@ -157,8 +172,8 @@ class RowsStates:
     def __setitem__(self, idx, value):
         self.written[idx] = value
 
-    def record(self, idx: int, kind: str, value: mx.array) -> None:
-        self.records[idx] = (kind, value)
+    def record(self, idx: int, steps: Steps) -> None:
+        self.records[idx] = steps
 
     def make_mask(self, N: int):
         return None
@@ -171,17 +186,9 @@ class RowsStates:
         if short and any(idx not in self.records for idx in self.written):
             raise OmniDraftError("a recurrent layer kept no per-position state: its rows cannot share a forward")
         for r, (c, n) in enumerate(zip(self.caches, self.widths)):
-            values, records = list(c.cache), {}
+            values, records = list(c.cache), {i: steps.row(r, n) for i, steps in self.records.items()}
             for idx, value in self.written.items():
-                values[idx] = value[r : r + 1]  # right for a row as long as the batch; else replaced below
-            for idx, (kind, value) in self.records.items():
-                if kind == "conv":
-                    keep = self.written[idx].shape[1]
-                    records[idx] = (kind, value[r : r + 1, : n + keep])
-                    values[idx] = value[r : r + 1, n : n + keep]
-                else:
-                    records[idx] = (kind, value[r : r + 1, :n])
-                    values[idx] = value[r : r + 1, n - 1]
+                values[idx] = records[idx].at(n) if idx in records else value[r : r + 1]
             c.cache, c.steps, c.closed = values, (c.offset, n, records), True
             c.offset += n
             c._remember()
@@ -192,7 +199,8 @@ class StepsConv1d(nn.Conv1d):
 
     def __call__(self, x: mx.array) -> mx.array:
         if (to := _recorder()) is not None:
-            to[0].record(to[1], "conv", x)
+            keep = self.weight.shape[1] - 1  # the state: the last K-1 inputs
+            to[0].record(to[1], Steps(x.shape[1] - keep, lambda m: x[:, m : m + keep]))
         return super().__call__(x)
 
 
@@ -219,12 +227,13 @@ def _keeping_gated_delta(update):
         if to is None or not 1 < args[0].shape[1] <= RECORD_MAX:
             y, state = update(*args, **kwargs)
             if to is not None and args[0].shape[1] == 1:
-                to[0].record(to[1], "states", state[:, None])
+                to[0].record(to[1], Steps(1, lambda m: state))
             return y, state
         _steps = []
         try:
             y, state = update(*args, **{**kwargs, "use_kernel": False})
-            to[0].record(to[1], "states", mx.stack(_steps, axis=1))
+            steps = _steps  # each step's state: computed by the ops path anyway, kept by reference
+            to[0].record(to[1], Steps(len(steps), lambda m: steps[m - 1]))
         finally:
             _steps = None
         return y, state
@@ -233,18 +242,16 @@ def _keeping_gated_delta(update):
     return keeping
 
 
-def ssm_states(x, A_log, B, C, D, dt, dt_bias, state=None, time_step_limit=(0.001, 100.0), *_, **__) -> mx.array:
-    """Mamba-2's state after each position [b, l, h, dh, n]: ssm.ssm_attn's sum, cut at each position."""
+def ssm_state(x, A_log, B, C, D, dt, dt_bias, state=None, time_step_limit=(0.001, 100.0), *_, m: int, **__) -> mx.array:
+    """Mamba-2's state after the first m positions: ssm.ssm_attn's final-state sum over those only."""
     h, g = x.shape[2], B.shape[2]
-    dt = ssm.compute_dt(dt, dt_bias, time_step_limit)  # [b, l, h]
-    dtA = dt * (-mx.exp(A_log).astype(dt.dtype)).reshape(1, 1, -1)
-    decay = mx.tril(mx.exp(ssm.segsum(dtA.swapaxes(1, 2))))  # [b, h, j, i]: exp(sum of dtA over (i, j]), i <= j
-    dtx = dt[..., None] * x  # [b, l, h, dh]
-    Bh = mx.repeat(B, h // g, axis=2).astype(dtx.dtype)  # [b, l, h, n]
-    states = mx.einsum("bhji,bihp,bihn->bjhpn", decay, dtx, Bh)
-    if state is not None:
-        states = states + mx.exp(mx.cumsum(dtA, axis=1))[..., None, None] * state[:, None]
-    return states
+    dt = ssm.compute_dt(dt[:, :m], dt_bias, time_step_limit)  # [b, m, h]
+    cum = mx.cumsum(dt * (-mx.exp(A_log).astype(dt.dtype)).reshape(1, 1, -1), axis=1)
+    decay = mx.exp(cum[:, -1:] - cum)  # [b, m, h]: from each position to the m-th
+    dtx = dt[..., None] * x[:, :m]  # [b, m, h, dh]
+    Bh = mx.repeat(B[:, :m], h // g, axis=2).astype(dtx.dtype)  # [b, m, h, n]
+    out = mx.einsum("bih,bihp,bihn->bhpn", decay, dtx, Bh)
+    return out if state is None else out + mx.exp(cum[:, -1])[..., None, None] * state
 
 
 def _keeping_ssm(update):
@@ -252,8 +259,8 @@ def _keeping_ssm(update):
 
     def keeping(*args, **kwargs):
         out = update(*args, **kwargs)
-        if (to := _recorder()) is not None and args[0].shape[1] <= RECORD_MAX:
-            to[0].record(to[1], "states", ssm_states(*args, **kwargs) if args[0].shape[1] > 1 else out[1][:, None])
+        if (to := _recorder()) is not None and (n := args[0].shape[1]) <= RECORD_MAX:
+            to[0].record(to[1], Steps(n, lambda m: out[1] if m == n else ssm_state(*args, **kwargs, m=m)))
         return out
 
     keeping.steps_wrapped = True
