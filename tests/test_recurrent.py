@@ -10,6 +10,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from omnidraft_mlx.decode import recurrent
 from omnidraft_mlx.decode.batch import batch_forward
 from omnidraft_mlx.decode.kvcache import KVSlot
 from omnidraft_mlx.decode.layouts import batch_layout
@@ -213,6 +214,18 @@ def test_state_after_rollback_equals_forward_over_accepted(family):
             assert mx.allclose(x, y, atol=1e-5).item()
     nxt = mx.array([[ids[len(slot.tokens)]]])
     assert mx.allclose(model(nxt, cache=slot.cache), model(nxt, cache=ref.cache), atol=1e-4).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_kernel_rows_keep_the_same_states(family, monkeypatch):
+    """The Metal kernel's way to every state (a batch row per position, later positions masked),
+    run here by mlx-lm's ops path: the same states after each rollback."""
+    calls = []
+    rows = recurrent._gated_delta_rows
+    monkeypatch.setattr(recurrent, "_kernel_rows", lambda: True)
+    monkeypatch.setattr(recurrent, "_gated_delta_rows", lambda *a: calls.append(1) or rows(*a))
+    test_state_after_rollback_equals_forward_over_accepted(family)
+    assert calls
 
 
 def plain(model, prompt: list[int], n: int) -> list[int]:

@@ -32,6 +32,7 @@ the sequence afresh.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -218,8 +219,30 @@ def _collecting_step(step):
     return collect
 
 
+def _kernel_rows() -> bool:
+    """Whether gated delta layers run mlx-lm's Metal kernel here (it returns the last state only)."""
+    return mx.default_device() == mx.gpu and mx.metal.is_available()
+
+
+def _gated_delta_rows(update, call) -> tuple[mx.array, mx.array, list]:
+    """The kernel's way to every position's state in one launch: row (b, j) of a batch of B*T
+    rows masks the positions after j, so its final state is the state after position j; the
+    last row of each b is the unmasked forward, whose outputs are the layer's."""
+    q = call["q"]
+    B, T = q.shape[:2]
+    rows = {n: mx.repeat(call[n], T, axis=0) for n in ("q", "k", "v", "a", "b")}
+    state = call.get("state")
+    mask = mx.tile(mx.arange(T)[None, :] <= mx.arange(T)[:, None], (B, 1))  # row j: positions 0..j
+    y, states = update(
+        **{**call, **rows, "state": None if state is None else mx.repeat(state, T, axis=0), "mask": mask}
+    )
+    states = states.reshape(B, T, *states.shape[1:])
+    return y.reshape(B, T, *y.shape[1:])[:, -1], states[:, -1], [states[:, j] for j in range(T)]
+
+
 def _keeping_gated_delta(update):
     """gated_delta_update that, after a StepsCache read, records the state after each position."""
+    signature = inspect.signature(update)
 
     def keeping(*args, **kwargs):
         global _steps
@@ -229,13 +252,17 @@ def _keeping_gated_delta(update):
             if to is not None and args[0].shape[1] == 1:
                 to[0].record(to[1], Steps(1, lambda m: state))
             return y, state
-        _steps = []
-        try:
-            y, state = update(*args, **{**kwargs, "use_kernel": False})
-            steps = _steps  # each step's state: computed by the ops path anyway, kept by reference
-            to[0].record(to[1], Steps(len(steps), lambda m: steps[m - 1]))
-        finally:
-            _steps = None
+        call = signature.bind(*args, **kwargs).arguments
+        if _kernel_rows() and call.get("mask") is None:
+            y, state, steps = _gated_delta_rows(update, call)
+        else:
+            _steps = []
+            try:
+                y, state = update(**{**call, "use_kernel": False})
+                steps = _steps  # each step's state: computed by the ops path anyway, kept by reference
+            finally:
+                _steps = None
+        to[0].record(to[1], Steps(len(steps), lambda m: steps[m - 1]))
         return y, state
 
     keeping.steps_wrapped = True
