@@ -14,6 +14,7 @@ from omnidraft_mlx.decode import recurrent
 from omnidraft_mlx.decode.batch import batch_forward
 from omnidraft_mlx.decode.kvcache import KVSlot
 from omnidraft_mlx.decode.layouts import batch_layout
+from omnidraft_mlx.decode.promptcache import CacheUse, PromptCache
 from omnidraft_mlx.decode.recurrent import StepsCache, layers
 from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats, decode_together, speculative_generate
 from omnidraft_mlx.decode.tree import TokenTree
@@ -278,6 +279,23 @@ def test_batched_rows_keep_their_own_states(family):
         assert slot.tokens == ref.tokens
         for x, y in zip(recurrent_states(slot.cache), recurrent_states(ref.cache)):
             assert mx.allclose(x, y, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_prompt_cache_reuse_on_a_hybrid_equals_plain_decoding(family, tok):
+    """Later turns from the prompt cache (its copies hold the current states only): a longer prompt
+    reuses the stored sequence; a shorter one cannot (recurrent state does not trim) and starts
+    afresh; all exact."""
+    target = build(family)
+    pair = make_pair(build(family, noise=0.1), tok, target, tok)
+    cache, cfg, uses = PromptCache(), SpecConfig(k=3, max_tokens=12, guard=False), []
+    first = tok.encode(PROMPTS[0])
+    reply = [t for new, _ in cache.generate(pair, first, first, cfg, SpecStats()) for t in new]
+    for ids in (first + reply + tok.encode(PROMPTS[1]), first):
+        uses.append(CacheUse())
+        out = [t for new, _ in cache.generate(pair, ids, ids, cfg, SpecStats(), use=uses[-1]) for t in new]
+        assert out == plain(target, ids, len(out))
+    assert uses[0].target_tokens > len(first) and cache.nbytes > 0
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "mamba2", "lfm2", "falcon_h1"])

@@ -136,6 +136,19 @@ class StepsCache(ArraysCache):
     def reset(self) -> None:
         self.__init__(len(self.cache))
 
+    @property
+    def nbytes(self) -> int:
+        """The states held, the kept earlier ones included (what a prompt cache should count)."""
+        held = {id(a): a for values in [self.cache, *self.history.values()] for a in values if a is not None}
+        return sum(a.nbytes for a in held.values())
+
+    def __deepcopy__(self, memo) -> StepsCache:
+        """A copy holds the current states only (mlx-lm's prompt cache copies what it hands out)."""
+        copy = StepsCache(len(self.cache))
+        copy.cache, copy.offset = list(self.cache), self.offset
+        copy.history = {self.offset: list(self.cache)}
+        return copy
+
 
 def _recorder() -> tuple | None:
     """(cache, slot) to record into: the cache read last, unless its layer's forward is done and
