@@ -193,6 +193,20 @@ def test_resolve_model(tmp_path, home, monkeypatch):
     with pytest.raises(OmniDraftError, match="catalog model name"):
         pull_mod.import_gguf(tmp_path / "mine.gguf", name="smollm2-135m")
 
+    # The library's own resolver finds directories, earlier imports and hub ids as the catalog's
+    # does, with the same digests (so a profile's identity does not depend on who resolved it),
+    # and says in one line what it cannot resolve: catalog names and GGUF files are models/'s.
+    from omnidraft_mlx.paths import LOCAL
+    from omnidraft_mlx.profile.store import model_identity
+
+    for name in ("mine", path, "mlx-community/x"):
+        assert LOCAL.path(name) == pull_mod.resolve_model(name)
+        assert model_identity(name) == model_identity(name, pull_mod.CATALOG_RESOLVER)
+    assert model_identity("mine") == f"gguf:{sha}"
+    for name in ("smollm2-135m", str(tmp_path / "mine.gguf")):
+        with pytest.raises(OmniDraftError, match="pass a local model directory or a Hugging Face id"):
+            LOCAL.path(name)
+
 
 def test_cli(tmp_path, home):
     from typer.testing import CliRunner
