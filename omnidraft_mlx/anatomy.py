@@ -20,9 +20,11 @@ the causal LM its parent, and both directions are run through the LM's own
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.cache import make_prompt_cache
 
 from omnidraft_mlx.errors import OmniDraftError
@@ -76,6 +78,16 @@ def _token_embedding(model) -> str:
     return max(found)[1]
 
 
+def _settings(module):
+    """A module's settings, by type (mlx-lm's ModelArgs, under `args`, `config` or any name); a
+    wrapper's own point to its text model's (`text_config`)."""
+    args = next((v for v in vars(module).values() if isinstance(v, BaseModelArgs)), None)
+    text_config = getattr(args, "text_config", None)
+    if getattr(args, "vocab_size", None) is None and isinstance(text_config, dict):
+        return SimpleNamespace(**text_config)  # a wrapped text model's settings kept as a dict
+    return args
+
+
 def anatomy(model) -> Anatomy:
     """The model's parts (found once, then kept on the model). The backbone is an ancestor of the
     token embedding (its parent, or higher where the embedding sits in a module of its own), the
@@ -90,11 +102,7 @@ def anatomy(model) -> Anatomy:
         lm = model
         for key in path[:depth]:
             lm = lm[int(key)] if isinstance(lm, list) else lm[key]
-        args = getattr(lm, "args", None) or getattr(model, "args", None)
-        text_config = getattr(args, "text_config", None)
-        if getattr(args, "vocab_size", None) is None and isinstance(text_config, dict):
-            args = type("TextConfig", (), dict(text_config))  # a wrapped text model's settings kept as a dict
-        candidate = Anatomy(lm, path[depth], args)
+        candidate = Anatomy(lm, path[depth], _settings(lm) or _settings(model) or SimpleNamespace())
         object.__setattr__(model, "_omnidraft_anatomy", candidate)
         try:
             got = logits(model, hidden_states(model, inputs, make_prompt_cache(model)))

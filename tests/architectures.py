@@ -201,15 +201,43 @@ FAMILIES: dict[str, dict] = {
     "smollm3": {},
     "stablelm": {},
     "starcoder2": {},
+    "deepseek_v32": {},
+    "deepseek_v41": {},
+    "gear": {},
+    "glm4_moe_lite": {},
+    "iquestloopcoder": {},
+    "kimi_k25": {},
+    "kimi_vl": {},
+    "laguna": {},
+    "minimax_m3_vl": {},
+    "muse_glimmer": {},
+    "nanbeige": {},
+    "phixtral": {},
+    "pixtral": {},
+    "plamo2": {},
+    "plamo3": {},
+    "qwen2_vl": {},
+    "qwen3_vl": {},
+    "talkie": {},
+    "telechat3": {},
+    "youtu_llm": {},
 }
 
 # Families with recurrent state that does not roll back yet. decode/recurrent.py keeps the state per
 # draft position for gated delta (qwen3_5, qwen3_next), Mamba-2 (mamba2, nemotron_h, granitemoehybrid,
-# falcon_h1) and short-convolution (lfm2) layers; not for Mamba-1, RG-LRU or RWKV-7.
+# falcon_h1) and short-convolution (lfm2) layers; not for Mamba-1, RG-LRU or RWKV-7. plamo2 (Mamba-2
+# layers) stops earlier: widths.shape_key reads model.args, which it lacks.
 RECURRENT = {
     "mamba",
+    "plamo2",
     "recurrent_gemma",
     "rwkv7",
+}
+
+
+# Families refused in one line (an OmniDraftError naming what to do), with why.
+REFUSED = {
+    "deepseek_v41": "its LayerCache layers cannot roll back rejected draft tokens",
 }
 
 
@@ -230,6 +258,8 @@ def build(family: str, seed: int = 0, noise: float = 0.0):
     known = {f.name for f in dataclasses.fields(mod.ModelArgs)}
     missing = [f.name for f in dataclasses.fields(mod.ModelArgs) if _required(f) and f.name not in cfg]
     cfg.update(dict.fromkeys(missing))  # settings this family does not use at this size
+    if "text_config" in known and not cfg.get("text_config"):
+        cfg["text_config"] = dict(BASE, model_type=family)  # a wrapper's text model: the same tiny sizes
     mx.random.seed(seed)
     model = mod.Model(mod.ModelArgs.from_dict({k: v for k, v in cfg.items() if k in known}))
     # Sharper logits than the default init (a trained model's are peaked): greedy ties are rare.

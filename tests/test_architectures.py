@@ -8,7 +8,7 @@ import functools
 
 import mlx.core as mx
 import pytest
-from architectures import FAMILIES, RECURRENT, build
+from architectures import FAMILIES, RECURRENT, REFUSED, build
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from tiny_models import corpus, train_tokenizer, write_model
@@ -30,7 +30,7 @@ TOKENS = 24
 def families():
     """Every family, the recurrent ones expected to fail until their state rolls back."""
     recurrent = pytest.mark.xfail(strict=False, reason="recurrent: state kept per draft position (decode/recurrent.py)")
-    return [pytest.param(f, marks=recurrent) if f in RECURRENT else f for f in FAMILIES]
+    return [pytest.param(f, marks=recurrent) if f in RECURRENT else f for f in FAMILIES if f not in REFUSED]
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +116,13 @@ def test_family_as_drafter_keeps_the_target_exact(family, llamas):
     pair = make_pair(models(family)[1], draft_tok, target, target_tok)
     for text in PROMPTS[:2]:
         assert alone(pair, text, settings(tree=True)) == plain(pair, text)
+
+
+@pytest.mark.parametrize("family", list(REFUSED))
+def test_a_refused_family_says_so_in_one_line(family, llamas):
+    with pytest.raises(OmniDraftError) as refused:
+        alone(same_vocab(family, llamas), PROMPTS[0], settings())
+    assert "\n" not in str(refused.value) and "plain decoding" in str(refused.value)
 
 
 def test_layouts_found_for_known_families():

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache
 from omnidraft_mlx.decode.kvcache import KVSlot
 from omnidraft_mlx.decode.layouts import batch_layout, takes_trees
 from omnidraft_mlx.decode.recurrent import StepsCache, finish_rows, layers, rows_view
-from omnidraft_mlx.decode.tree import TokenTree, positions_rope, tree_mask
+from omnidraft_mlx.decode.tree import TokenTree, attention_window, positions_rope, tree_mask
 
 
 class RowsView:
@@ -42,12 +42,11 @@ class RowsView:
         return mx.concatenate(out_k), mx.concatenate(out_v)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        window = window_size or getattr(self.caches[0], "window", None)
         width = max(length + len(depth) for length, (depth, _) in zip(self.lengths, self.rows))
         mask = np.zeros((len(self.rows), 1, N, width), bool)
         mask[:, :, :, 0] = True  # padding rows attend somewhere (their output is dropped)
         for i, (length, (depth, ancestors)) in enumerate(zip(self.lengths, self.rows)):
-            own = np.array(tree_mask(length, depth, ancestors, window))
+            own = np.array(tree_mask(length, depth, ancestors, attention_window(self.caches[i], length, window_size)))
             mask[i, 0, : own.shape[0], : own.shape[1]] = own
         return mx.array(mask[:, :, None] if self.layout == "5d" else mask)
 
@@ -66,14 +65,12 @@ def forward_trees(model, slots: list[KVSlot], roots: list[int], trees: list[Toke
     one_by_one = one_by_one or (not all(t.is_chain for t in trees) and not takes_trees(model))
     layout = None if one_by_one else batch_layout(model)
     if layout is None:
-        held = [(slot.cache[0].offset, len(slot.tokens)) for slot in slots]
+        held = [len(slot.tokens) for slot in slots]
         try:
             return [slot.forward_tree(model, root, tree) for slot, root, tree in zip(slots, roots, trees)]
         except BaseException:  # the rows forwarded before the failing one go back too
-            for slot, (length, n) in zip(slots, held):
-                for c in slot.cache:
-                    c.trim(c.offset - length)
-                del slot.tokens[n:]
+            for slot, n in zip(slots, held):
+                slot.rewind(n)
             raise
     return batch_forward(model, slots, roots, trees, layout)
 

@@ -16,7 +16,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from omnidraft_mlx.anatomy import hidden_states
 from omnidraft_mlx.decode.recurrent import StepsCache, layers, steps_caches
-from omnidraft_mlx.decode.tree import TokenTree, keep_path, tree_forward
+from omnidraft_mlx.decode.tree import TokenTree, attention_window, keep_path, tree_forward
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.vocab.align import common_prefix
 
@@ -38,7 +38,7 @@ class WindowedKVCache(KVCache):
         self.window = window
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
-        window = window_size or self.window
+        window = attention_window(self, self.offset, window_size)
         if self.offset + N <= window and not return_array:
             return "causal" if N > 1 else None  # the whole history fits in the window
         return create_causal_mask(N, self.offset, window_size=window)
@@ -141,7 +141,8 @@ class KVSlot:
         start = len(self.tokens) - len(tree.tokens)
         keep_path(self.cache, start, path)
         self.tokens[start : start + len(path)] = [tree.tokens[i] for i in path]
-        self.rewind(start + len(path))
+        trim_cache(self.cache, len(self.tokens) - start - len(path))  # within the forward just made, or loudly
+        del self.tokens[start + len(path) :]
 
     def reuse(self, model, ids: list[int], keep_last: int = 0) -> mx.array | None:
         """Make the cache hold exactly ids: keep the common prefix, feed the rest.

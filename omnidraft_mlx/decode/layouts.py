@@ -20,11 +20,15 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from omnidraft_mlx.anatomy import family, vocab_size
-from omnidraft_mlx.errors import OmniDraftError
 
 log = logging.getLogger("omnidraft.layouts")
 MASK_LAYOUTS = ("4d", "5d")  # batch mask [B, 1, L, W], or [B, 1, 1, L, W] for grouped [B, kv, groups, L, D] queries
 _said: set[tuple[str, str]] = set()
+
+
+def offset(c) -> int:
+    """Positions a layer's cache holds (a CacheList's: its first cache's)."""
+    return c.offset if hasattr(c, "offset") else offset(c[0])
 
 
 def say_once(model, what: str) -> None:
@@ -80,9 +84,9 @@ def _probe_trees(model) -> bool:
     return _close(got, want)
 
 
-def _trim_to(cache: list, offset: int) -> None:
+def _trim_to(cache: list, length: int) -> None:
     for c in cache:
-        c.trim(c.offset - offset)
+        c.trim(offset(c) - length)
 
 
 def takes_trees(model) -> bool:
@@ -99,10 +103,13 @@ def takes_trees(model) -> bool:
 
 def chains_forward(model, cache: list, root: int, tree) -> mx.array:
     """tree_forward's result, from one plain forward per root-to-leaf path: each node's logits and
-    keys/values are those of its own path; the cache ends holding [root, *tree.tokens] in order."""
+    keys/values are those of its own path; the cache ends holding [root, *tree.tokens] in order.
+    Caches whose keys cannot be placed by hand verify the main chain only (the tree cut in place)."""
     if not all(isinstance(c, KVCache) for c in cache):
-        raise OmniDraftError(f"{family(model)}: its caches cannot verify a draft tree: run it without trees")
-    offset, n = cache[0].offset, len(tree.tokens) + 1
+        say_once(model, "draft trees are cut to their main chain (its caches take no tree's keys)")
+        del tree.tokens[tree.chain :], tree.parents[tree.chain :]
+        return model(mx.array([[root, *tree.tokens]]), cache=cache)[0]
+    start, n = cache[0].offset, len(tree.tokens) + 1
     rows: list = [None] * n
     kv: list = [[None] * n for _ in cache]
     leaves = [i for i in range(len(tree.tokens)) if not tree.children(i)] or [-1]
@@ -114,11 +121,11 @@ def chains_forward(model, cache: list, root: int, tree) -> mx.array:
                 rows[row] = out[j]
                 for layer, c in enumerate(cache):
                     kv[layer][row] = (
-                        c.keys[..., offset + j : offset + j + 1, :],
-                        c.values[..., offset + j : offset + j + 1, :],
+                        c.keys[..., start + j : start + j + 1, :],
+                        c.values[..., start + j : start + j + 1, :],
                     )
         mx.eval(rows, kv)
-        _trim_to(cache, offset)
+        _trim_to(cache, start)
     for layer, c in enumerate(cache):
         c.update_and_fetch(
             mx.concatenate([k for k, _ in kv[layer]], axis=2), mx.concatenate([v for _, v in kv[layer]], axis=2)

@@ -20,7 +20,7 @@ import mlx.nn as nn
 import numpy as np
 
 from omnidraft_mlx.anatomy import context_length
-from omnidraft_mlx.decode.layouts import chains_forward, takes_trees
+from omnidraft_mlx.decode.layouts import chains_forward, offset, takes_trees
 
 
 @dataclass
@@ -81,6 +81,14 @@ class TokenTree:
             depth[i + 1] = depth[parent + 1] + 1
             ancestors[i + 1] |= ancestors[parent + 1]
         return depth, ancestors
+
+
+def attention_window(c, offset: int, window_size: int | None) -> int | None:
+    """The keys a query sees in a layer: the window the model asks for, but past the prompt never
+    more than a sliding-window cache's size (a rotating cache holds no more; mlx-lm's plamo3 asks
+    for one more than it keeps)."""
+    own = getattr(c, "window", None)
+    return min(window_size or own, own) if own and offset else window_size or own
 
 
 def tree_mask(offset: int, depth: np.ndarray, ancestors: np.ndarray, window: int | None) -> mx.array:
@@ -160,7 +168,7 @@ def tree_attention(model, cache: list, tree: TokenTree):
     for c in cache:
 
         def make_mask(N, return_array=False, window_size=None, c=c):
-            return tree_mask(c.offset, depth, ancestors, window_size or getattr(c, "window", None))
+            return tree_mask(c.offset, depth, ancestors, attention_window(c, c.offset, window_size))
 
         c.make_mask = make_mask
     try:
@@ -175,7 +183,7 @@ def tree_forward(model, cache: list, root: int, tree: TokenTree) -> mx.array:
     """The target's logits for each row of [root, *tree.tokens], written into its cache; a
     chain takes the plain path, a model that takes no trees (layouts.py) one path per leaf. On
     an exception the caches hold what they held before."""
-    offset = cache[0].offset
+    held = [offset(c) for c in cache]
     inputs = mx.array([root, *tree.tokens])[None]
     try:
         if tree.is_chain:
@@ -187,8 +195,8 @@ def tree_forward(model, cache: list, root: int, tree: TokenTree) -> mx.array:
             mx.eval(out)
             return out
     except BaseException:
-        for c in cache:
-            c.trim(c.offset - offset)
+        for c, length in zip(cache, held):
+            c.trim(offset(c) - length)
         raise
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from omnidraft_mlx.anatomy import settings
 from omnidraft_mlx.decode.kvcache import KVSlot, trim_cache
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.paths import model_home
@@ -39,7 +40,7 @@ def shape_key(model) -> str:
         if isinstance(getattr(m, "weight", None), mx.array)
     }
     parts = {
-        "args": {k: v for k, v in sorted(vars(model.args).items()) if isinstance(v, (int, float, str, bool))},
+        "args": {k: v for k, v in sorted(vars(settings(model)).items()) if isinstance(v, (int, float, str, bool))},
         "format": sorted(layers),
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
