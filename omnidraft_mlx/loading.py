@@ -8,6 +8,7 @@ from pathlib import Path
 
 from omnidraft_mlx.decode.lookup import HistoryIndex
 from omnidraft_mlx.decode.policy import DraftPolicy
+from omnidraft_mlx.decode.widths import verify_costs
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair, make_pair
 from omnidraft_mlx.paths import LOCAL, Resolver
@@ -52,6 +53,7 @@ def open_pair(
     profile_path: Path | None = None,
     policy: DraftPolicy | None = None,
     history: bool = True,
+    costs: bool = True,
 ) -> OpenPair:
     """Load both models, load the pair's profile, make the pair, attach the policy, attach the
     history index, in that order (the profile's adapter goes into the drafter before the pair
@@ -61,7 +63,8 @@ def open_pair(
     loaded them already; profile=False ignores the profile (nothing is attached or saved);
     trainable keeps the adapter trainable (for learning) instead of fused; profile_path reads
     the profile from there instead of its place under model_home(); history=False attaches no
-    history index."""
+    history index; costs measures what verifying each draft length costs the target here, if
+    not measured on this machine yet (decode/widths.py: a few seconds once, so no reply pays it)."""
     if loaded is None:
         draft_model, draft_tok = load_model(draft, resolver)
         target_model, target_tok = load_model(target, resolver)
@@ -73,6 +76,8 @@ def open_pair(
         else None
     )
     pair = make_pair(draft_model, draft_tok, target_model, target_tok, saved.ngrams if saved else None)
+    if costs:
+        verify_costs(target_model)
     index = None
     if saved is not None:
         if policy is not None:

@@ -4,13 +4,15 @@ output stays the target's own (sampling with padding: test_sampling.py)."""
 
 import json
 
+import pytest
 from test_lookup import REPEAT, decode
 
+from omnidraft_mlx.decode import widths
 from omnidraft_mlx.decode.fit import VerifyCost
-from omnidraft_mlx.decode.kvcache import KVSlot
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.decode.scheduler import Scheduler
-from omnidraft_mlx.decode.widths import costs_path, verify_costs
+from omnidraft_mlx.decode.widths import MOST, costs_path, interpolate, saved_costs, verify_costs
+from omnidraft_mlx.loading import open_pair
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 
 
@@ -29,20 +31,44 @@ def test_cheapest_length_is_a_longer_one_measured_no_slower():
 
 def test_costs_measured_once_per_model_shape_and_kept(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path))
-    (tm, tt), (dm, _) = tiny["target"], tiny["draft"]
-    ids = encode_prompt(tt, user_messages("def add_"), True)
-    slot = KVSlot.fresh(tm)
-    slot.extend(tm, ids[:-1])
-    seconds = verify_costs(tm, slot)
-    assert sorted(seconds) == list(range(17)) and all(s > 0 for s in seconds.values())
-    assert slot.cache[0].offset == len(ids) - 1  # the cache holds the prompt again
+    (tm, _), (dm, _) = tiny["target"], tiny["draft"]
+    assert saved_costs(tm) is None
+    seconds = verify_costs(tm)
+    assert sorted(seconds) == list(range(MOST + 1)) and all(s > 0 for s in seconds.values())
     saved = json.loads(costs_path().read_text())
-    assert verify_costs(tm, slot) == seconds  # read back, not measured again
+    assert saved_costs(tm) == verify_costs(tm) == seconds  # read back, not measured again
     assert json.loads(costs_path().read_text()) == saved
-    verify_costs(dm, KVSlot.fresh(dm))  # another shape: its own entry
+    verify_costs(dm)  # another shape: its own entry
     assert len(json.loads(costs_path().read_text())) == 2
-    out = list(plain_generate(tm, tt, ids[len(slot.tokens) :], PlainStats(), max_tokens=12, prompt_cache=slot.cache))
-    assert out == list(plain_generate(tm, tt, ids, PlainStats(), max_tokens=12))
+
+
+def test_lengths_not_measured_lie_on_the_line_between_their_neighbours():
+    curve = interpolate({0: 1.0, 1: 1.1, 4: 0.8, 16: 2.0})
+    assert sorted(curve) == list(range(MOST + 1))
+    assert curve[0] == 1.0 and curve[4] == 0.8 and curve[16] == 2.0  # measured: kept (a dip too)
+    assert curve[2] == pytest.approx(1.0) and curve[10] == pytest.approx(1.4)
+    assert all(0.8 <= curve[n] <= 1.1 for n in range(1, 5))  # no bump that was not measured
+
+
+def test_the_pair_opens_with_its_costs_measured_and_no_reply_measures(tiny_dirs, tmp_path, monkeypatch):
+    """open_pair measures (once per machine); a reply's prefill then only reads the curve: with
+    measuring made to fail, replies still decode, seeded from what open_pair saved."""
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path))
+    opened = open_pair(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), profile=False)
+    seconds = saved_costs(opened.pair.target)
+    assert seconds is not None and sorted(seconds) == list(range(MOST + 1))
+
+    def no_measuring(*_):
+        raise AssertionError("measured inside a reply")
+
+    monkeypatch.setattr(widths, "measure", no_measuring)
+    again = open_pair(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), profile=False)  # kept: not measured
+    scheduler = Scheduler()
+    out, stats = decode(again.pair, "def add_", scheduler=scheduler, max_tokens=8)
+    assert len(out) == 8 and scheduler.measured
+    seeded = {n: total for n, (weight, total) in scheduler.costs.by_length.items() if weight == 1.0}
+    assert len(seeded) > MOST // 2 and seeded == {n: seconds[n] for n in seeded}  # lengths not verified since
+    assert stats.prefill_s < 1.0
 
 
 def padding_scheduler() -> Scheduler:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from omnidraft_mlx.decode.drafts import PLAIN, Context, Draft
 from omnidraft_mlx.decode.fit import VerifyCost
 from omnidraft_mlx.decode.tree import TokenTree
-from omnidraft_mlx.decode.widths import MOST, verify_costs
+from omnidraft_mlx.decode.widths import MOST, saved_costs
 from omnidraft_mlx.vocab.align import common_prefix
 
 
@@ -112,11 +112,13 @@ class Scheduler:
         self.measured = False  # the verification cost per draft length seeded from widths.py
         self.branches = Hold()  # kept branches' scores (drafts) against the tokens they held (held)
 
-    def begin_reply(self, sources: list, guard: bool, ctx: Context, target=None, slot=None) -> ReplySources:
-        """A reply's sources (their prompt processing: prefill); given the target and its cache,
-        the first reply starts from the measured cost of each draft length (widths.py)."""
+    def begin_reply(self, sources: list, guard: bool, ctx: Context, target=None) -> ReplySources:
+        """A reply's sources (their prompt processing: prefill); given the target, the first reply
+        starts from the cost of each draft length measured when the pair opened (widths.py; not
+        measured here: a reply never waits for it)."""
         if target is not None and not self.measured:
-            self.costs.seed(verify_costs(target, slot))
+            if (seconds := saved_costs(target)) is not None:
+                self.costs.seed(seconds)
             self.measured = True
         for s in sources:
             s.start(ctx)

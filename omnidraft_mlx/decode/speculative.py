@@ -228,7 +228,6 @@ class Decoding:
             cfg.guard,
             self.ctx,
             pair.target,
-            target,
         )
         stats.prompt_tokens = len(target_prompt)
         stats.prefill_s = time.perf_counter() - t_start

@@ -1,9 +1,10 @@
-"""What verifying each draft length costs this target on this machine: the
-fastest of PASSES forwards per length, measured once per model shape and machine
-and kept on disk (the weights' values do not change it; their shapes, dtype, the
-device and the MLX build do). The loop refines it from its own rounds
-(fit.VerifyCost), but only for the lengths it verifies: a length measured too
-slow is never tried, so one slow pass would price it for good."""
+"""What verifying each draft length costs this target on this machine, measured once per
+model shape and machine and kept on disk (the weights' values do not change it; their
+shapes, dtype, the device and the MLX build do). Measured when the pair opens
+(loading.open_pair), never inside a reply, and quickly: a few lengths, each the faster of
+two forwards (a third where those two disagree), the lengths between interpolated. The
+loop refines it from its own rounds (fit.VerifyCost), but only for the lengths it
+verifies: a length measured too slow is never tried, so one slow pass would price it for good."""
 
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.paths import model_home
 from omnidraft_mlx.profile.atomic import atomic_write_text
 
-MOST = 16  # draft lengths measured: 0..MOST (a lookup's first draft is 8; doubled, 16)
-PASSES = 3  # over all lengths, each length's fastest kept: a burst of other work slows one pass
+MOST = 16  # draft lengths priced: 0..MOST (a lookup's first draft is 8; doubled, 16)
+MEASURED = (0, 1, 2, 4, 8, 15, 16)  # forwarded (15: a BLAS block of 16 rows, often a dip); others interpolated
+PASSES = 3  # at most, each length's fastest kept: a burst of other work slows one pass
+AGREE = 0.1  # two passes within this fraction of each other: no third
+PREFIX = 64  # tokens in the cache before the measured forwards (a prompt's worth of attention)
 log = logging.getLogger("omnidraft.widths")
 
 
@@ -52,33 +56,59 @@ def shape_key(model) -> str:
     return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def measure(model, slot: KVSlot, lengths=range(MOST + 1)) -> dict[int, float]:
-    """Seconds of a target forward over y + n draft tokens after what `slot` holds, per n: the
-    fastest of PASSES; the cache is left as it was."""
-    filler = (slot.tokens or [0]) * (MOST + 2)
-    seconds = {}
-    for n in [*lengths] * PASSES:  # the first forward allocates: slower than its next passes
-        x = mx.array([filler[: n + 1]])
-        start = time.perf_counter()
-        mx.eval(model(x, cache=slot.cache).argmax(axis=-1))
-        seconds[n] = min(seconds.get(n, float("inf")), time.perf_counter() - start)
-        trim_cache(slot.cache, n + 1)
-    return seconds
+def measure(model, lengths=MEASURED) -> dict[int, float]:
+    """Seconds of a target forward over y + n draft tokens after PREFIX tokens, for every n in
+    0..MOST: the fastest of two passes (three where two disagree by more than AGREE) for
+    `lengths`, the others interpolated linearly between their measured neighbours."""
+    slot = KVSlot.fresh(model)
+    slot.extend(model, [0] * PREFIX)  # its forward also allocates: the passes below run warm
+    passes: dict[int, list[float]] = {n: [] for n in lengths}
+    for i in range(PASSES):
+        for n in [n for n in lengths if i < 2 or max(passes[n]) > (1 + AGREE) * min(passes[n])]:
+            x = mx.array([[0] * (n + 1)])
+            start = time.perf_counter()
+            mx.eval(model(x, cache=slot.cache).argmax(axis=-1))
+            passes[n].append(time.perf_counter() - start)
+            trim_cache(slot.cache, n + 1)
+    return interpolate({n: min(s) for n, s in passes.items()})
 
 
-def verify_costs(model, slot: KVSlot) -> dict[int, float]:
+def interpolate(measured: dict[int, float]) -> dict[int, float]:
+    """Every length 0..MOST: a measured one's seconds, or the line between the measured lengths
+    either side (monotone between them: no dip or bump that was not measured)."""
+    known = sorted(measured)
+    curve = {}
+    for n in range(MOST + 1):
+        lo = max((m for m in known if m <= n), default=known[0])
+        hi = min((m for m in known if m >= n), default=known[-1])
+        share = (n - lo) / (hi - lo) if hi != lo else 0.0
+        curve[n] = measured[lo] + share * (measured[hi] - measured[lo])
+    return curve
+
+
+def saved_costs(model) -> dict[int, float] | None:
+    """The curve measured for this model here, from disk (None: not measured yet)."""
+    try:
+        saved = json.loads(costs_path().read_text())
+    except (OSError, ValueError):
+        return None
+    curve = saved.get(shape_key(model)) if isinstance(saved, dict) else None
+    return {int(n): s for n, s in curve.items()} if curve else None
+
+
+def verify_costs(model) -> dict[int, float]:
     """The measured curve for this model here: from disk, or measured now and saved."""
-    path, key = costs_path(), shape_key(model)
+    if (seconds := saved_costs(model)) is not None:
+        return seconds
+    log.info("measuring what verifying 0-%d draft tokens costs (once for this model here)", MOST)
+    seconds = measure(model)
+    path = costs_path()
     try:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
         saved = {}
-    if key in saved:
-        return {int(n): s for n, s in saved[key].items()}
-    log.info("measuring what verifying 0-%d draft tokens costs (once for this model here)", MOST)
-    seconds = measure(model, slot)
     try:
-        atomic_write_text(path, json.dumps({**saved, key: seconds}))
+        atomic_write_text(path, json.dumps({**saved, shape_key(model): seconds}))
     except (OSError, OmniDraftError) as e:  # a cache: decoding goes on without it
         log.warning("could not save %s: %s", path, e)
     return seconds

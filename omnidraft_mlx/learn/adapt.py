@@ -304,6 +304,7 @@ def open_learner(
         profile_path=path,
         policy=policy,
         history=history,
+        costs=False,  # learning verifies no drafts
     )
     pair, profile = opened.pair, opened.profile
     if profile.distill:
