@@ -221,15 +221,67 @@ FAMILIES: dict[str, dict] = {
     "talkie": {},
     "telechat3": {},
     "youtu_llm": {},
+    "Klear": {},
+    "dots1": {},
+    "solar_open": {},
+    "qwen3_vl_moe": {},
+    "bailing_moe_v3": {},
+    "lfm2_moe": dict(use_expert_bias=False, num_dense_layers=1, conv_bias=False, conv_L_cache=3, full_attn_idxs=[1]),
+    "qwen3_5_moe": dict(text_config=dict(LINEAR_ATTENTION)),
+    "jamba": dict(
+        attn_layer_offset=1,
+        attn_layer_period=2,
+        expert_layer_offset=1,
+        expert_layer_period=2,
+        mamba_d_conv=4,
+        mamba_d_state=8,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+    ),
+    "olmo_hybrid": dict(
+        LINEAR_ATTENTION,
+        linear_allow_neg_eigval=False,
+        layer_types=["linear_attention", "full_attention"],
+    ),
+    "minicpm3": dict(
+        dim_model_base=32,
+        scale_depth=1.4,
+        scale_emb=2.0,
+        rope_scaling={
+            "type": "longrope",
+            "long_factor": [1.0] * 4,
+            "short_factor": [1.0] * 4,
+            "original_max_position_embeddings": 512,
+        },
+    ),
+    "openelm": dict(
+        num_transformer_layers=2,
+        ffn_dim_divisor=16,
+        num_query_heads=[4, 4],
+        num_kv_heads=[2, 2],
+        ffn_multipliers=[2.0, 2.0],
+    ),
+    "qwen": dict(kv_channels=16, intermediate_size=256),
+    "ernie4_5_moe": dict(use_bias=False, moe_num_experts=4, moe_k=2),
+    "plamo": dict(n_shared_head=2),
+    "llama4_text": dict(intermediate_size_mlp=128, no_rope_layers=[1, 0], use_qk_norm=True),
+    "gemma4_text": dict(
+        global_head_dim=16,
+        num_kv_shared_layers=0,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=16,
+        sliding_window_pattern=2,
+        num_global_key_value_heads=2,
+    ),
 }
 
 # Families with recurrent state that does not roll back yet. decode/recurrent.py keeps the state per
 # draft position for gated delta (qwen3_5, qwen3_next), Mamba-2 (mamba2, nemotron_h, granitemoehybrid,
-# falcon_h1) and short-convolution (lfm2) layers; not for Mamba-1, RG-LRU or RWKV-7. plamo2 (Mamba-2
-# layers) stops earlier: widths.shape_key reads model.args, which it lacks.
+# falcon_h1) and short-convolution (lfm2) layers; not for Mamba-1, RG-LRU or RWKV-7.
 RECURRENT = {
+    "jamba",
     "mamba",
-    "plamo2",
+    "olmo_hybrid",
     "recurrent_gemma",
     "rwkv7",
 }
