@@ -217,6 +217,21 @@ def test_state_after_rollback_equals_forward_over_accepted(family):
     assert mx.allclose(model(nxt, cache=slot.cache), model(nxt, cache=ref.cache), atol=1e-4).item()
 
 
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_rollback_from_a_fresh_cache(family):
+    """A one-token prompt: the first forward is a verify forward on empty states."""
+    model = build(family)
+    ids = np.random.default_rng(2).integers(0, V, 8).tolist()
+    slot, ref = KVSlot.fresh(model), KVSlot.fresh(model)
+    tree = TokenTree.of(ids[1:6])
+    slot.forward_tree(model, ids[0], tree)
+    slot.keep_path(tree, [0, 1])
+    ref.extend(model, ids[:3])
+    assert slot.tokens == ref.tokens
+    for x, y in zip(recurrent_states(slot.cache), recurrent_states(ref.cache)):
+        assert mx.allclose(x, y, atol=1e-5).item()
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 def test_kernel_rows_keep_the_same_states(family, monkeypatch):
     """The Metal kernel's way to every state (a batch row per position, later positions masked),

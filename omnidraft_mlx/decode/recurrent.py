@@ -85,6 +85,9 @@ class StepsCache(ArraysCache):
         """Keep what the layer's forward computed for slot idx (its convolution may run after advance)."""
         self.records[idx] = steps
 
+    def slot_shapes(self) -> list:
+        return [None if v is None else v.shape for v in self.cache]
+
     def advance(self, N: int):
         """The layer's forward over N positions is done."""
         super().advance(N)
@@ -159,7 +162,7 @@ def _recorder() -> tuple | None:
     return None if getattr(cache, "closed", False) and idx in cache.records else _read
 
 
-class RowsStates:
+class RowsStates(ArraysCache):
     """One recurrent layer's StepsCaches of a batch's rows (batch.py), seen as one cache: the rows'
     states stacked on the batch axis, their tokens right-padded to the longest (padding comes after
     a row's own tokens, so it never reaches them). finish() gives each row's cache what its own
@@ -189,6 +192,9 @@ class RowsStates:
     def record(self, idx: int, steps: Steps) -> None:
         self.records[idx] = steps
 
+    def slot_shapes(self) -> list:
+        return [None if v is None else (len(self.caches), *v.shape[1:]) for v in self.caches[0].cache]
+
     def make_mask(self, N: int):
         return None
 
@@ -212,10 +218,21 @@ class StepsConv1d(nn.Conv1d):
     """A recurrent layer's short convolution that hands its padded input to the cache just read."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if (to := _recorder()) is not None:
-            keep = self.weight.shape[1] - 1  # the state: the last K-1 inputs
-            to[0].record(to[1], Steps(x.shape[1] - keep, lambda m: x[:, m : m + keep]))
+        _record_conv(x, self.weight.shape[1] - 1)
         return super().__call__(x)
+
+
+def _record_conv(padded: mx.array, keep: int) -> None:
+    """A convolution's padded input (K-1 earlier inputs, then the new ones): the state after m new
+    inputs is the K-1 ending there. Its slot is the one of that shape in the cache read last."""
+    if (to := _recorder()) is None:
+        return
+    shape, shapes = (padded.shape[0], keep, *padded.shape[2:]), to[0].slot_shapes()
+    idx = next((i for i, s in enumerate(shapes) if s == shape), None)
+    if idx is None and shapes[to[1]] is None:  # a fresh cache: the slot the layer just read
+        idx = to[1]
+    if idx is not None:
+        to[0].record(idx, Steps(padded.shape[1] - keep, lambda m: padded[:, m : m + keep]))
 
 
 _steps: list | None = None  # gated delta states, collected while a StepsCache's layer runs
@@ -307,13 +324,98 @@ def _keeping_ssm(update):
     return keeping
 
 
-WRAPPERS = {"gated_delta_update": _keeping_gated_delta, "ssm_update": _keeping_ssm}
+def _keeping_rnn_scan(scan):
+    """RecurrentGemma's rnn_scan (RG-LRU): its outputs are the states after each position."""
+
+    def keeping(x, a, h0):
+        y, last = scan(x, a, h0)
+        if (to := _recorder()) is not None and (n := x.shape[1]) <= RECORD_MAX:
+            to[0].record(to[1], Steps(n, lambda m: last if m == n else y[:, m - 1]))
+        return y, last
+
+    keeping.steps_wrapped = True
+    return keeping
+
+
+WRAPPERS = {"gated_delta_update": _keeping_gated_delta, "ssm_update": _keeping_ssm, "rnn_scan": _keeping_rnn_scan}
+
+
+def _advancing(block):
+    """A recurrent block that, like most of mlx-lm's, advances its cache when its forward is done."""
+
+    class Advancing(block):
+        def __call__(self, x, *args, **kwargs):
+            out = super().__call__(x, *args, **kwargs)
+            cache = kwargs.get("cache", args[0] if args else None)
+            if isinstance(cache, ArraysCache):
+                cache.advance(x.shape[1])
+            return out
+
+    return Advancing
+
+
+def _mamba1(block):
+    """Mamba-1's block (mamba.py): its scan steps a method per position; each step's state kept."""
+
+    class Mamba1(_advancing(block)):
+        def ssm_step(self, x, A, state=None):
+            y, state = super().ssm_step(x, A, state)
+            if _steps is not None:
+                _steps.append(state)
+            return y, state
+
+        def __call__(self, x, cache):
+            global _steps
+            keep = isinstance(cache, StepsCache | RowsStates) and x.shape[1] <= RECORD_MAX
+            _steps = steps = [] if keep else None
+            try:
+                out = super().__call__(x, cache)
+            finally:
+                _steps = None
+            if keep:  # after the forward (a record before its first read would be cleared)
+                cache.record(1, Steps(len(steps), lambda m: steps[m - 1]))  # cache[1]: its state
+            return out
+
+    return Mamba1
+
+
+def _gemma_conv(conv):
+    """RecurrentGemma's own Conv1d: it pads inside, so the padded input is rebuilt to be kept."""
+
+    class GemmaConv(conv):
+        def __call__(self, x, cache=None):
+            keep = self.weight.shape[1] - 1
+            pad = [(0, 0), (keep, 0), (0, 0)]
+            _record_conv(mx.pad(x, pad) if cache is None else mx.concatenate([cache, x], axis=1), keep)
+            return super().__call__(x, cache)
+
+    return GemmaConv
+
+
+# Blocks that need a small adapter (by module and class name), made once per class.
+ADAPTERS = {
+    ("mamba", "MambaBlock"): _mamba1,
+    ("recurrent_gemma", "RecurrentBlock"): _advancing,
+    ("recurrent_gemma", "Conv1d"): _gemma_conv,
+}
+_adapted: dict[type, type] = {}
+
+
+def _adapter(m) -> type | None:
+    cls = type(m)
+    if cls not in _adapted:
+        make = ADAPTERS.get((cls.__module__.rsplit(".", 1)[-1], cls.__name__))
+        if make is None:
+            return None
+        _adapted[cls] = make(cls)
+    return _adapted[cls]
 
 
 def _supported(module) -> bool:
-    """A layer module whose recurrence can keep its steps: gated delta, Mamba-2, or a short convolution only."""
+    """A layer module whose recurrence can keep its steps: gated delta, Mamba-1/2, RG-LRU, or a
+    short convolution only."""
     name = module.__name__.rsplit(".", 1)[-1]
-    return any(hasattr(module, f) for f in WRAPPERS) or name in ("lfm2", "lfm2_moe")
+    return any(hasattr(module, f) for f in WRAPPERS) or name in ("lfm2", "lfm2_moe", "mamba")
 
 
 def prepare(model) -> bool:
@@ -332,6 +434,8 @@ def prepare(model) -> bool:
     for m in model.modules():
         if type(m) is nn.Conv1d:
             m.__class__ = StepsConv1d
+        elif (adapted := _adapter(m)) is not None:
+            m.__class__ = adapted
     return True
 
 
