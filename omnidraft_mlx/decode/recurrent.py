@@ -224,13 +224,15 @@ class StepsConv1d(nn.Conv1d):
 
 def _record_conv(padded: mx.array, keep: int) -> None:
     """A convolution's padded input (K-1 earlier inputs, then the new ones): the state after m new
-    inputs is the K-1 ending there. Its slot is the one of that shape in the cache read last."""
+    inputs is the K-1 ending there. Its slot: the first of that shape in the cache read last that
+    this forward has not recorded yet (olmo_hybrid convolves q, k and v into slots 0, 1, 2)."""
     if (to := _recorder()) is None:
         return
-    shape, shapes = (padded.shape[0], keep, *padded.shape[2:]), to[0].slot_shapes()
-    idx = next((i for i, s in enumerate(shapes) if s == shape), None)
-    if idx is None and shapes[to[1]] is None:  # a fresh cache: the slot the layer just read
-        idx = to[1]
+    cache, shape = to[0], (padded.shape[0], keep, *padded.shape[2:])
+    free = [(i, s) for i, s in enumerate(cache.slot_shapes()) if i not in cache.records]  # in call order
+    idx = next((i for i, s in free if s == shape), None)
+    if idx is None:  # a fresh cache: the first empty slot (convolutions come before their recurrence)
+        idx = next((i for i, s in free if s is None), None)
     if idx is not None:
         to[0].record(idx, Steps(padded.shape[1] - keep, lambda m: padded[:, m : m + keep]))
 
