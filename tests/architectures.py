@@ -276,13 +276,11 @@ FAMILIES: dict[str, dict] = {
 }
 
 # Families with recurrent state that does not roll back yet. decode/recurrent.py keeps the state per
-# draft position for gated delta (qwen3_5, qwen3_next), Mamba-2 (mamba2, nemotron_h, granitemoehybrid,
-# falcon_h1) and short-convolution (lfm2) layers; not for Mamba-1, RG-LRU or RWKV-7.
+# draft position for gated delta (qwen3_5, qwen3_next, olmo_hybrid, ...), Mamba-2 (mamba2, nemotron_h,
+# granitemoehybrid, falcon_h1, plamo2), Mamba-1 (mamba), RG-LRU (recurrent_gemma) and short-convolution
+# (lfm2) layers; not for jamba's own Mamba mixer or RWKV-7.
 RECURRENT = {
     "jamba",
-    "mamba",
-    "olmo_hybrid",
-    "recurrent_gemma",
     "rwkv7",
 }
 
