@@ -218,23 +218,27 @@ class StepsConv1d(nn.Conv1d):
     """A recurrent layer's short convolution that hands its padded input to the cache just read."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        _record_conv(x, self.weight.shape[1] - 1)
+        _record_window(x, self.weight.shape[1] - 1)
         return super().__call__(x)
 
 
-def _record_conv(padded: mx.array, keep: int) -> None:
-    """A convolution's padded input (K-1 earlier inputs, then the new ones): the state after m new
-    inputs is the K-1 ending there. Its slot: the first of that shape in the cache read last that
-    this forward has not recorded yet (olmo_hybrid convolves q, k and v into slots 0, 1, 2)."""
+def _record_window(x: mx.array, keep: int, padded: bool = True) -> None:
+    """A state that is the last `keep` inputs: a convolution's padded input (K-1 earlier inputs,
+    then the new ones; the state after m new inputs is the K-1 ending there), or (padded=False) the
+    new inputs alone, keep=1 (RWKV's token shift). Its slot: the first of that shape in the cache
+    read last that this forward has not recorded yet (olmo_hybrid convolves q, k and v into slots
+    0, 1, 2; RWKV-7 shifts into 0, then 2)."""
     if (to := _recorder()) is None:
         return
-    cache, shape = to[0], (padded.shape[0], keep, *padded.shape[2:])
+    cache, shape = to[0], (x.shape[0], keep, *x.shape[2:])
     free = [(i, s) for i, s in enumerate(cache.slot_shapes()) if i not in cache.records]  # in call order
     idx = next((i for i, s in free if s == shape), None)
     if idx is None:  # a fresh cache: the first empty slot (convolutions come before their recurrence)
         idx = next((i for i, s in free if s is None), None)
-    if idx is not None:
-        to[0].record(idx, Steps(padded.shape[1] - keep, lambda m: padded[:, m : m + keep]))
+    if idx is not None and padded:
+        cache.record(idx, Steps(x.shape[1] - keep, lambda m: x[:, m : m + keep]))
+    elif idx is not None:
+        cache.record(idx, Steps(x.shape[1], lambda m: x[:, m - keep : m]))
 
 
 _steps: list | None = None  # gated delta states, collected while a StepsCache's layer runs
@@ -348,8 +352,8 @@ def _advancing(block):
     class Advancing(block):
         def __call__(self, x, *args, **kwargs):
             out = super().__call__(x, *args, **kwargs)
-            cache = kwargs.get("cache", args[0] if args else None)
-            if isinstance(cache, ArraysCache):
+            cache = next((a for a in (*args, *kwargs.values()) if isinstance(a, ArraysCache)), None)
+            if cache is not None:
                 cache.advance(x.shape[1])
             return out
 
@@ -388,10 +392,46 @@ def _gemma_conv(conv):
         def __call__(self, x, cache=None):
             keep = self.weight.shape[1] - 1
             pad = [(0, 0), (keep, 0), (0, 0)]
-            _record_conv(mx.pad(x, pad) if cache is None else mx.concatenate([cache, x], axis=1), keep)
+            _record_window(mx.pad(x, pad) if cache is None else mx.concatenate([cache, x], axis=1), keep)
             return super().__call__(x, cache)
 
     return GemmaConv
+
+
+def _token_shift(shift):
+    """RWKV-7's token shift: its state after m inputs is the m-th input."""
+
+    class TokenShift(shift):
+        def __call__(self, x, state):
+            _record_window(x, 1, padded=False)
+            return super().__call__(x, state)
+
+    return TokenShift
+
+
+def _rwkv7_time_mixing(mixing):
+    """RWKV-7's time mixing: its wkv recurrence stepped by mlx-lm's own step op, each state kept."""
+
+    class TimeMixing(mixing):
+        def _wkv7(self, r, w, k, v, a, b, state):
+            to = _recorder()
+            if to is None or not 1 < r.shape[1] <= RECORD_MAX:
+                y, state = super()._wkv7(r, w, k, v, a, b, state)
+                if to is not None and r.shape[1] == 1:
+                    to[0].record(to[1], Steps(1, lambda m: state))
+                return y, state
+            if state is None:
+                state = mx.zeros((r.shape[0], self.num_heads, self.head_dim, self.head_dim), dtype=r.dtype)
+            ys, states = [], []
+            for t in range(r.shape[1]):
+                y, state = rwkv7_step(r[:, t], w[:, t], k[:, t], v[:, t], a[:, t], b[:, t], state)
+                ys.append(y)
+                states.append(state)
+            to[0].record(to[1], Steps(len(states), lambda m: states[m - 1]))
+            return mx.stack(ys, axis=1).astype(r.dtype), state
+
+    rwkv7_step = sys.modules[mixing.__module__]._wkv7_step_ops
+    return TimeMixing
 
 
 # Blocks that need a small adapter (by module and class name), made once per class.
@@ -399,6 +439,9 @@ ADAPTERS = {
     ("mamba", "MambaBlock"): _mamba1,
     ("recurrent_gemma", "RecurrentBlock"): _advancing,
     ("recurrent_gemma", "Conv1d"): _gemma_conv,
+    ("rwkv7", "Rwkv7Layer"): _advancing,
+    ("rwkv7", "TokenShift"): _token_shift,
+    ("rwkv7", "Rwkv7TimeMixing"): _rwkv7_time_mixing,
 }
 _adapted: dict[type, type] = {}
 
@@ -414,10 +457,10 @@ def _adapter(m) -> type | None:
 
 
 def _supported(module) -> bool:
-    """A layer module whose recurrence can keep its steps: gated delta, Mamba-1/2, RG-LRU, or a
-    short convolution only."""
+    """A layer module whose recurrence can keep its steps: gated delta, Mamba-1/2, RG-LRU, RWKV-7,
+    or a short convolution only."""
     name = module.__name__.rsplit(".", 1)[-1]
-    return any(hasattr(module, f) for f in WRAPPERS) or name in ("lfm2", "lfm2_moe", "mamba")
+    return any(hasattr(module, f) for f in WRAPPERS) or name in ("lfm2", "lfm2_moe", "mamba", "rwkv7")
 
 
 def prepare(model) -> bool:
