@@ -277,11 +277,10 @@ FAMILIES: dict[str, dict] = {
 
 # Families with recurrent state that does not roll back yet. decode/recurrent.py keeps the state per
 # draft position for gated delta (qwen3_5, qwen3_next, olmo_hybrid, ...), Mamba-2 (mamba2, nemotron_h,
-# granitemoehybrid, falcon_h1, plamo2), Mamba-1 (mamba), RG-LRU (recurrent_gemma) and short-convolution
-# (lfm2) layers; not for jamba's own Mamba mixer or RWKV-7.
+# granitemoehybrid, falcon_h1, plamo2), Mamba-1 (mamba), RG-LRU (recurrent_gemma), RWKV-7 (rwkv7) and
+# short-convolution (lfm2) layers; not for jamba's own Mamba mixer.
 RECURRENT = {
     "jamba",
-    "rwkv7",
 }
 
 
