@@ -434,11 +434,27 @@ def _rwkv7_time_mixing(mixing):
     return TimeMixing
 
 
+def _jamba_mixer(mixer):
+    """Jamba's Mamba mixer scans all positions in one call that returns the last state only: the
+    state after m positions is the same scan over the first m of its inputs, run on rollback."""
+
+    class JambaMixer(_advancing(mixer)):
+        def ssm_step(self, x, A, state=None):
+            y, last = super().ssm_step(x, A, state)
+            if (to := _recorder()) is not None and (n := x.shape[1]) <= RECORD_MAX:
+                scan = super().ssm_step
+                to[0].record(to[1], Steps(n, lambda m: last if m == n else scan(x[:, :m], A, state)[1]))
+            return y, last
+
+    return JambaMixer
+
+
 # Blocks that need a small adapter (by module and class name), made once per class.
 ADAPTERS = {
     ("mamba", "MambaBlock"): _mamba1,
     ("recurrent_gemma", "RecurrentBlock"): _advancing,
     ("recurrent_gemma", "Conv1d"): _gemma_conv,
+    ("jamba", "JambaMambaMixer"): _jamba_mixer,
     ("rwkv7", "Rwkv7Layer"): _advancing,
     ("rwkv7", "TokenShift"): _token_shift,
     ("rwkv7", "Rwkv7TimeMixing"): _rwkv7_time_mixing,
@@ -460,7 +476,7 @@ def _supported(module) -> bool:
     """A layer module whose recurrence can keep its steps: gated delta, Mamba-1/2, RG-LRU, RWKV-7,
     or a short convolution only."""
     name = module.__name__.rsplit(".", 1)[-1]
-    return any(hasattr(module, f) for f in WRAPPERS) or name in ("lfm2", "lfm2_moe", "mamba", "rwkv7")
+    return any(hasattr(module, f) for f in WRAPPERS) or name in ("lfm2", "lfm2_moe", "mamba", "jamba", "rwkv7")
 
 
 def prepare(model) -> bool:
