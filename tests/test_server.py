@@ -356,3 +356,61 @@ def test_serve_learning_while_another_process_saves_the_profile_loses_nothing(ti
     load_head(policy, path)
     rows = {round(float(f[0])) for f in policy.head.features}
     assert {700 + i for i in range(saves)} <= rows and len(policy.head.labels) > 3 * saves  # and its head labels
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_per_round_beside_the_other_streams(tiny_dirs, tiny, tmp_path):
+    """A long prompt admitted mid-stream is fed a chunk (512 tokens) before each round: with each
+    of its prefill steps stalled (a failpoint aimed at it), the stream already running keeps
+    getting tokens throughout, and both replies equal their solo greedy decodes."""
+    stall = 0.5
+    tok = tiny["target"][1]
+    long = [{"role": "user", "content": "LONGPROMPT " + "print(add_3(9)) " * 400}]
+    while max(len(encode_prompt(t, long)) for t in (tok, tiny["draft"][1])) > 1900:
+        long[0]["content"] = long[0]["content"][:-16]
+    assert len(encode_prompt(tok, long)) > 2 * 512 + 1  # three prefill steps at least, then its start
+    running = [{"role": "user", "content": "def add_1(x):  # SLOWSTREAM"}]
+    _, long_text = chat_greedy(tiny, long, 16)
+    _, running_text = chat_greedy(tiny, running, 1000)
+    points = f"prefill#LONGPROMPT~{stall},draft#SLOWSTREAM~0.02"  # the stream's rounds slowed to outlast it
+    srv = ServerProcess(
+        str(tiny_dirs["draft"]),
+        str(tiny_dirs["target"]),
+        tmp_path / "server.log",
+        "--no-profile",
+        env={"OMNIDRAFT_HOME": str(tmp_path / "home"), "OMNIDRAFT_FAILPOINTS": points},
+    )
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        body = {"messages": running, "max_tokens": 1000, "stream": True}
+        arrived, text = [], []
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=300) as r:
+            lines = r.iter_lines()
+            long_reply = {}
+
+            def ask_long():
+                sent = time.monotonic()
+                reply = client.chat.completions.create(model=str(tiny_dirs["target"]), messages=long, max_tokens=16)
+                long_reply.update(text=reply.choices[0].message.content, sent=sent, done=time.monotonic())
+
+            asker = None
+            for line in lines:
+                if not line.startswith("data: {"):
+                    continue
+                delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                text.append(delta)
+                arrived.append(time.monotonic())
+                if asker is None:
+                    asker = threading.Thread(target=ask_long)
+                    asker.start()
+                elif not asker.is_alive():
+                    break
+            asker.join(300)
+        assert long_reply["text"] == long_text
+        assert running_text.startswith("".join(text))
+        sent, done = long_reply["sent"], long_reply["done"]
+        assert done - sent >= 3 * stall  # its prefill was stalled at each of its steps
+        during = [t for t in arrived if sent <= t <= done]
+        gaps = [b - a for a, b in zip([sent, *during], [*during, done])]
+        assert len(during) >= 3 and max(gaps) < (done - sent) / 2, gaps  # tokens throughout, not one wait
+    finally:
+        assert srv.stop() == 0, srv.log.read_text()

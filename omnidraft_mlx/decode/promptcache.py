@@ -73,6 +73,17 @@ class PromptCache:
         """(draft slot, target slot) holding the cached sequences nearest to these prompts."""
         return self._slot(pair.draft, self._draft_key(), draft_ids), self._slot(pair.target, "target", target_ids)
 
+    def take(
+        self, pair: Pair, draft_ids: list[int], target_ids: list[int], use: CacheUse | None = None
+    ) -> tuple[KVSlot, KVSlot]:
+        """slots(), and how many prompt tokens they hold into `use`."""
+        draft_slot, target_slot = self.slots(pair, draft_ids, target_ids)
+        if use is not None:
+            # The loop always feeds each model its prompt's last token afresh.
+            use.draft_tokens = min(draft_slot.common_prefix(draft_ids), len(draft_ids) - 1)
+            use.target_tokens = min(target_slot.common_prefix(target_ids), len(target_ids) - 1)
+        return draft_slot, target_slot
+
     def store(self, draft_slot: KVSlot, target_slot: KVSlot) -> None:
         """Keep both slots (the cache takes them over: do not use them afterwards)."""
         for key, slot in ((self._draft_key(), draft_slot), ("target", target_slot)):
@@ -88,15 +99,13 @@ class PromptCache:
         stats: SpecStats,
         policy: DraftPolicy | None = None,
         use: CacheUse | None = None,
+        slots: tuple[KVSlot, KVSlot] | None = None,
         **options,
     ) -> Decoding:
-        """A Decoding (with further `options` of its own) on slots from the cache; how many prompt
-        tokens it reused goes into `use`. Give it back with finish()."""
-        draft_slot, target_slot = self.slots(pair, draft_ids, target_ids)
-        if use is not None:
-            # The loop always feeds each model its prompt's last token afresh.
-            use.draft_tokens = min(draft_slot.common_prefix(draft_ids), len(draft_ids) - 1)
-            use.target_tokens = min(target_slot.common_prefix(target_ids), len(target_ids) - 1)
+        """A Decoding (with further `options` of its own) on slots from the cache (or `slots`,
+        from take(), partly prefilled since); how many prompt tokens it reused goes into `use`.
+        Give it back with finish()."""
+        draft_slot, target_slot = slots or self.take(pair, draft_ids, target_ids, use)
         return Decoding(
             pair, draft_ids, target_ids, cfg, stats, policy, target_slot=target_slot, draft_slot=draft_slot, **options
         )

@@ -4,7 +4,8 @@ Up to --batch requests are active at once and progress a round at a time: each
 plans its own draft (its scheduler and guard choose drafter, lookup or none),
 one target forward verifies every draft (decode/batch.py), and each keeps what it
 accepted and rolls its own caches back. A new request is admitted between rounds
-(its prefill then), so it starts after a round, not after the queue; beyond
+(its prefill then: a long prompt's a chunk of PREFILL_CHUNK tokens per model before each
+round, so the other streams go on meanwhile), so it starts after a round, not after the queue; beyond
 --batch, or when its caches at full length would not fit in --cache-bytes
 beside the active requests' (the prompt cache gives way to them), requests
 wait in order. Every request uses the server's one scheduler, so what it
@@ -23,11 +24,12 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from omnidraft_mlx.decode.kvcache import PREFILL_CHUNK
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.failpoints import failpoint
 from omnidraft_mlx.paths import LOCAL, Resolver
 from omnidraft_mlx.serve.learning import Learning
-from omnidraft_mlx.serve.request import Decoder, Job, Running
+from omnidraft_mlx.serve.request import Decoder, Job, Prefill, Running
 from omnidraft_mlx.serve.schema import ApiError
 
 if TYPE_CHECKING:
@@ -44,6 +46,7 @@ class Engine:
         self.cfg, self.resolver = cfg, resolver  # resolver: how the models' names find their weights
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.active: list[Running] = []
+        self.prefilling: Prefill | None = None  # a long prompt fed a chunk per round (one at a time)
         self.served = self.cancelled = self.failed = 0
         self.most_active = 0  # the most requests decoded together so far
         self.decoder: Decoder | None = None  # set by load()
@@ -63,7 +66,7 @@ class Engine:
 
     @property
     def generating(self) -> int:
-        return len(self.active)
+        return len(self.active) + (self.prefilling is not None)
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -109,7 +112,7 @@ class Engine:
                     self._drop(job, e)
 
     def _step(self) -> None:
-        if not self.active:
+        if not self.active and self.prefilling is None:
             try:
                 job = self.jobs.get(timeout=IDLE_S if self.learning.pending else 1.0)
             except queue.Empty:
@@ -118,8 +121,15 @@ class Engine:
                 return
             self._admit(job)
         # Only this thread takes jobs out: the queue's head stays while it is looked at.
-        while len(self.active) < self.cfg.batch and not self.jobs.empty() and self._fits(self.jobs.queue[0]):
+        while (
+            self.prefilling is None
+            and len(self.active) < self.cfg.batch
+            and not self.jobs.empty()
+            and self._fits(self.jobs.queue[0])
+        ):
             self._admit(self.jobs.get_nowait())
+        if self.prefilling is not None:
+            self._prefill()
         if self.active:
             self._round()
 
@@ -128,7 +138,9 @@ class Engine:
         stopping = ApiError(503, "the server is shutting down", kind="server_error")
         for running in self.active:
             running.job.emit("error", stopping)
-        self.active = []
+        if self.prefilling is not None:
+            self.prefilling.job.emit("error", stopping)
+        self.active, self.prefilling = [], None
         while True:
             try:
                 self.jobs.get_nowait().emit("error", stopping)
@@ -148,16 +160,44 @@ class Engine:
         )
 
     def _admit(self, job: Job) -> None:
-        """Prefill a queued job and make it active (a cancelled one is dropped)."""
+        """Prefill a queued job and make it active, or (a long prompt) start prefilling it a chunk
+        per round; a cancelled one is dropped."""
         if job.cancelled.is_set():
             self.cancelled += 1
             return
         try:
-            self.active.append(self.decoder.start(job, self.decoder.scheduler))
+            prefill = self.decoder.begin(job)
+            if prefill.left > PREFILL_CHUNK:
+                self.prefilling = prefill
+            else:
+                self.active.append(self.decoder.start(job, self.decoder.scheduler, prefill))
         except Exception as e:
             self._fail(job, e)
-        # The prompt cache keeps what the active requests' caches leave of the budget.
-        self.decoder.prompt_cache.make_room(self.cfg.cache_bytes - sum(r.nbytes for r in self.active))
+        self._make_room()
+
+    def _prefill(self) -> None:
+        """One chunk of the prefilling job's prompt; its last, and the job is active."""
+        prefill, self.prefilling = self.prefilling, None
+        job = prefill.job
+        if job.cancelled.is_set():
+            self.decoder.prompt_cache.store(*prefill.slots)  # what it fed is a prefix worth keeping
+            self.cancelled += 1
+            return
+        try:
+            failpoint("prefill", job.label)
+            if prefill.left > PREFILL_CHUNK:
+                prefill.feed(self.pair, PREFILL_CHUNK)
+                self.prefilling = prefill
+            else:
+                self.active.append(self.decoder.start(job, self.decoder.scheduler, prefill))
+        except Exception as e:  # its caches are not kept
+            self._fail(job, e)
+        self._make_room()
+
+    def _make_room(self) -> None:
+        """The prompt cache keeps what the active (and prefilling) requests' caches leave of the budget."""
+        held = sum(r.nbytes for r in self.active) + (self.prefilling.nbytes() if self.prefilling else 0)
+        self.decoder.prompt_cache.make_room(self.cfg.cache_bytes - held)
 
     def _round(self) -> None:
         """One round of every active job: plan the drafts, verify them in one target forward, take."""

@@ -28,6 +28,7 @@ from omnidraft_mlx.serve.text import ReplyText
 from omnidraft_mlx.serve.tools import ToolPlan, encode, plan_tools
 
 if TYPE_CHECKING:
+    from omnidraft_mlx.decode.kvcache import KVSlot
     from omnidraft_mlx.decode.lookup import HistoryIndex
     from omnidraft_mlx.decode.policy import DraftPolicy
     from omnidraft_mlx.decode.promptcache import PromptCache
@@ -122,14 +123,21 @@ class Decoder:
         label = json.dumps(messages, default=str) if armed() else ""
         return Job(draft_ids, target_ids, spec, stop_strings(req), loop, asyncio.Queue(), tools, logprobs, label=label)
 
-    def start(self, job: Job, scheduler) -> Running:
-        """The job's decoding, prefilled on the prompt cache, its rounds to come (Running.take)."""
+    def begin(self, job: Job) -> Prefill:
+        """The job's slots from the prompt cache, to prefill (Prefill.feed, or start() at once)."""
+        failpoint("prefill", job.label)
+        use = CacheUse()
+        slots = self.prompt_cache.take(self.pair, job.draft_ids, job.target_ids, use)
+        return Prefill(job, slots, use, time.perf_counter())
+
+    def start(self, job: Job, scheduler, prefill: Prefill | None = None) -> Running:
+        """The job's decoding, prefilled on the prompt cache (what `prefill` has not fed yet fed
+        now), its rounds to come (Running.take)."""
         from omnidraft_mlx.decode.speculative import SpecStats
 
-        failpoint("prefill", job.label)
-        stats, use, rows = SpecStats(), CacheUse(), []
+        prefill = prefill or self.begin(job)
+        stats, rows = SpecStats(), []
         reply = ReplyText(self.pair.vmap.target_bytes, job.stops, job.tools, job.emit)
-        start = time.perf_counter()
         decoding = self.prompt_cache.start(
             self.pair,
             job.draft_ids,
@@ -137,12 +145,13 @@ class Decoder:
             job.spec,
             stats,
             self.policy,
-            use,
+            prefill.use,
+            slots=prefill.slots,
             history=self.history,
             scheduler=scheduler,
             on_logits=rows.append if job.logprobs is not None else None,
         )
-        return Running(job, decoding, stats, use, reply, rows, start)
+        return Running(job, decoding, stats, prefill.use, reply, rows, prefill.start)
 
     def finish(self, running: Running, intact: bool = True) -> tuple[Result, list[int]]:
         """Give the running job's caches back to the prompt cache; (its result, the reply's target ids)."""
@@ -177,6 +186,35 @@ class Decoder:
             "time_to_first_token_s": round(ttft or 0.0, 4),
             "tokens_per_s": round(stats.tokens_per_s, 2),
         }
+
+
+@dataclass
+class Prefill:
+    """A job admitted, its prompts fed into its caches a chunk at a time between the active
+    requests' rounds (chunked prefill: a long prompt does not hold the other streams for all of
+    it). The target's in the same chunks as one prefill (kvcache.prefill's), so the same cache;
+    the last prompt token each model is fed by the decoding's start."""
+
+    job: Job
+    slots: tuple[KVSlot, KVSlot]  # (draft, target)
+    use: CacheUse
+    start: float  # when it was admitted: its time to first token counts from here
+
+    def _prompts(self) -> list[tuple[KVSlot, list[int]]]:
+        return list(zip(self.slots, (self.job.draft_ids[:-1], self.job.target_ids[:-1])))
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens still to feed, in the model's tokens that has more of them."""
+        return max(len(ids) - slot.common_prefix(ids) for slot, ids in self._prompts())
+
+    def feed(self, pair: Pair, most: int) -> None:
+        """Up to `most` more of each model's prompt into its cache (after the part it holds)."""
+        for model, (slot, ids) in zip((pair.draft, pair.target), self._prompts()):
+            slot.reuse(model, ids[: slot.common_prefix(ids) + most])
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes for slot in self.slots for c in slot.cache)
 
 
 @dataclass
