@@ -4,6 +4,7 @@ greedy output equals mlx-lm's plain decoding, with drafts the target often rejec
 
 import importlib
 
+import architectures
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from omnidraft_mlx.decode.tree import TokenTree
 from omnidraft_mlx.pair import make_pair
 
 V = 600  # the tiny target tokenizer's vocabulary
+VOCAB = min(V, architectures.VOCAB)  # token ids every model here takes
 # Tiny configurations, real layer kinds: attention beside recurrent layers where the family mixes them.
 CONFIGS = {
     "qwen3_next": dict(
@@ -192,14 +194,23 @@ def build(family: str, seed: int = 0, noise: float = 0.0):
     return model
 
 
+# The other recurrence kinds, built by the architecture matrix's tiny settings: Mamba-1 (mamba, jamba's
+# mixer), RG-LRU, RWKV-7, gated delta with three convolutions (olmo_hybrid), Mamba-2 (plamo2).
+OTHER_KINDS = ["mamba", "jamba", "recurrent_gemma", "rwkv7", "olmo_hybrid", "plamo2"]
+
+
+def any_build(family: str):
+    return build(family) if family in CONFIGS else architectures.build(family)
+
+
 def recurrent_states(cache: list) -> list:
     return [v for c in cache for s in layers(c) if isinstance(s, StepsCache) for v in s.cache]
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("family", [*CONFIGS, *OTHER_KINDS])
 def test_state_after_rollback_equals_forward_over_accepted(family):
-    model = build(family)
-    ids = np.random.default_rng(0).integers(0, V, 40).tolist()
+    model = any_build(family)
+    ids = np.random.default_rng(0).integers(0, VOCAB, 40).tolist()
     slot = KVSlot.fresh(model)
     slot.extend(model, ids[:5])
     for accepted in (3, 0, 6, 1):  # of 6 draft tokens: rollbacks into the verify forward, to either end of it
@@ -217,11 +228,11 @@ def test_state_after_rollback_equals_forward_over_accepted(family):
     assert mx.allclose(model(nxt, cache=slot.cache), model(nxt, cache=ref.cache), atol=1e-4).item()
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("family", [*CONFIGS, *OTHER_KINDS])
 def test_rollback_from_a_fresh_cache(family):
     """A one-token prompt: the first forward is a verify forward on empty states."""
-    model = build(family)
-    ids = np.random.default_rng(2).integers(0, V, 8).tolist()
+    model = any_build(family)
+    ids = np.random.default_rng(2).integers(0, VOCAB, 8).tolist()
     slot, ref = KVSlot.fresh(model), KVSlot.fresh(model)
     tree = TokenTree.of(ids[1:6])
     slot.forward_tree(model, ids[0], tree)
@@ -272,12 +283,12 @@ def test_greedy_speculation_equals_plain_decoding(family, tok, tiny):
         assert 0 < stats.accepted < stats.proposed
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("family", [*CONFIGS, *OTHER_KINDS])
 def test_batched_rows_keep_their_own_states(family):
     """Rows of different lengths in one forward (batch.py): each row's logits and, after a rollback
     into the forward, its states equal those of its own forward."""
-    model = build(family)
-    ids = np.random.default_rng(1).integers(0, V, 40).tolist()
+    model = any_build(family)
+    ids = np.random.default_rng(1).integers(0, VOCAB, 40).tolist()
     slots, alone = [KVSlot.fresh(model) for _ in range(3)], [KVSlot.fresh(model) for _ in range(3)]
     for i, (slot, ref) in enumerate(zip(slots, alone)):
         slot.extend(model, ids[i : i + 4 + 3 * i])
