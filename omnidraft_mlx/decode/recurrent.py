@@ -1,33 +1,37 @@
 """Recurrent layers that roll back: the state after each position of a forward.
 
-Hybrid models (Qwen3.5, Qwen3-Next, LFM2, Mamba-2, Nemotron-H, Granite 4, Falcon-H1)
-keep an ArraysCache per recurrent layer: a convolution state (the last K-1 inputs of
-the layer's short causal convolution) and, for gated delta and Mamba-2 layers, a
-recurrent state. A verify forward over k draft tokens absorbs all of them, and a
-rejected token cannot be subtracted back out. So the same forward keeps what gives
-the state after each of its positions (Steps: by reference, nothing copied), and a
-rollback takes the one at the accepted length:
+Hybrid and recurrent models (Qwen3.5, Qwen3-Next, OLMo hybrid, LFM2, Mamba-1/2,
+Jamba, Nemotron-H, Granite 4, Falcon-H1, PLaMo 2, RecurrentGemma, RWKV-7) keep an
+ArraysCache per recurrent layer: short-convolution or token-shift states (the last
+inputs) and a recurrent state. A verify forward over k draft tokens absorbs all of
+them, and a rejected token cannot be subtracted back out. So the same forward keeps
+what gives the state after each of its positions (Steps: by reference, nothing
+copied), and a rollback takes the one at the accepted length:
 
-- convolution state: free, the K-1 inputs ending at the accepted position, all in the
-  convolution's own (padded) input, which a Conv1d subclass keeps;
+- convolution / token-shift state: free, the inputs ending at the accepted position,
+  all in the convolution's own (padded) input, which a Conv1d subclass keeps;
 - gated delta state: mlx-lm's ops path steps over the positions anyway; each step's
-  state is kept (gated_delta's step function wrapped, the kernel skipped while keeping);
+  state is kept (gated_delta's step function wrapped); on Metal, one launch of
+  mlx-lm's masked kernel over a batch row per position gives them all;
 - Mamba-2 state: mlx-lm's chunked scan returns only the last state; the one at the
   accepted length is the same sum over the accepted positions only, computed on
-  rollback from the inputs the scan was given (ssm_state).
-
-Batched rows (batch.py) stack their states (RowsStates) and each gets back its own.
-Trees are verified as chains on these models (kvcache.py): a branch's state would
-depend on its own path.
+  rollback from the inputs the scan was given (ssm_state); Jamba's scan likewise;
+- Mamba-1, RWKV-7 and RG-LRU states: their scans step per position (or output the
+  states, RG-LRU), each kept.
 
 mlx-lm's layers are used as they are: they read their cache (StepsCache, an
 ArraysCache that notes which of its slots was read last), call the convolution and
 the recurrence functions (wrapped here in the layers' modules, acting only right
 after a StepsCache was read) and write the final states back; `advance(T)` closes
-the layer's forward. A StepsCache also keeps the states at the last few offsets it
+the layer's forward (the few blocks that do not call it get a small adapter class
+that does: ADAPTERS). A StepsCache also keeps the states at the last few offsets it
 passed through (references, no copies), so a drafter's one-token forwards roll back
 too. Rolling back further than that is refused (`can_trim`); KVSlot then starts
-the sequence afresh.
+the sequence afresh where its caller feeds it again.
+
+Batched rows (batch.py) stack their states (RowsStates) and each gets back its own.
+Trees are verified as chains on these models (kvcache.py): a branch's state would
+depend on its own path.
 """
 
 from __future__ import annotations
