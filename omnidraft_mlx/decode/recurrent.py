@@ -176,7 +176,7 @@ class RowsStates(ArraysCache):
 
     def __init__(self, caches: list, widths: list[int]):
         self.caches, self.widths = caches, widths
-        self.records: dict[int, tuple[str, mx.array]] = {}
+        self.records: dict[int, Steps] = {}
         self.written: dict[int, mx.array] = {}
 
     def __getitem__(self, idx):
