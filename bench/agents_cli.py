@@ -33,6 +33,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -330,19 +331,24 @@ def run_task(agent: str, exe: str, task: Task, args, recorder: Recorder, work: P
     env = agent_env(agent, work / f"{agent}-home", recorder.url, key, args.target, args.context)
     recorder.label = {"agent": agent, "task": task.name}
     start = time.perf_counter()
+    # Its own process group: npm's wrapper starts the agent's binary, which must go at a timeout too.
+    proc = subprocess.Popen(
+        agent_command(agent, exe, task, args.target, repo),
+        cwd=repo,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        run = subprocess.run(
-            agent_command(agent, exe, task, args.target, repo),
-            cwd=repo,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=args.task_timeout_s,
-            stdin=subprocess.DEVNULL,
-        )
-        exit_code, output = run.returncode, run.stdout + run.stderr
-    except subprocess.TimeoutExpired as e:
-        exit_code, output = "timeout", (e.stdout or b"").decode(errors="replace") if e.stdout else ""
+        output, _ = proc.communicate(timeout=args.task_timeout_s)
+        exit_code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        exit_code = "timeout"
     wall = time.perf_counter() - start
     time.sleep(0.5)  # the proxy notes the last reply once its stream closes
     turns = [t for t in recorder.turns if t.get("agent") == agent and t.get("task") == task.name]
@@ -507,7 +513,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--agents", default="codex,claude")
     p.add_argument("--tasks", type=int, default=len(TASKS), help=f"the first N of the {len(TASKS)} tasks")
-    p.add_argument("--max-tokens", type=int, default=1024, help="the server's reply length when none is asked")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=4096,
+        help="the server's reply length when none is asked (Codex: a cut reply is an error)",
+    )
     p.add_argument("--context", type=int, default=8192, help="the context window Codex is told")
     p.add_argument("--task-timeout-s", type=float, default=900)
     p.add_argument("--profile", action="store_true", help="serve with the pair's profile (default: --no-profile)")
