@@ -5,7 +5,8 @@ Off unless the environment variable OMNIDRAFT_FAILPOINTS names them, comma-separ
     name[@n][#marker][~seconds]
 e.g. "verify" (every hit), "finish@3" (the 3rd hit only), "draft#BOOM" (hits for a request
 whose text holds BOOM), "save~3" (sleep 3 s there instead of raising). The places: prefill,
-draft, verify, finish, learn (serve/engine.py, serve/request.py, serve/learning.py) and save
+draft, verify, finish, learn, update (before each slice of a drafter update) (serve/engine.py,
+serve/request.py, serve/learning.py) and save
 (profile/store.py, inside the profile's lock). Off, a failpoint costs a dict lookup.
 """
 

@@ -414,3 +414,43 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_round_beside_the_other_streams(t
         assert len(during) >= 3 and max(gaps) < (done - sent) / 2, gaps  # tokens throughout, not one wait
     finally:
         assert srv.stop() == 0, srv.log.read_text()
+
+
+def test_a_drafter_update_pauses_for_a_request_and_goes_on_when_idle(tiny_dirs, tiny, tmp_path):
+    """Learning on (as `serve` runs by default): the update after 8 replies runs a slice (one
+    example's gradient) at a time, each stalled 0.5 s here (4 s in all); a request sent while it
+    runs is answered at once, its reply the target's own, and the update ends afterwards."""
+    srv = ServerProcess(
+        str(tiny_dirs["draft"]),
+        str(tiny_dirs["target"]),
+        tmp_path / "server.log",
+        "--adapt-every",
+        "8",
+        env={"OMNIDRAFT_HOME": str(tmp_path / "home"), "OMNIDRAFT_FAILPOINTS": "update~0.5"},
+    )
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        model = str(tiny_dirs["target"])
+        for i in range(8):
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"add_{i}("}], max_tokens=8
+            )
+        deadline = time.monotonic() + 60
+        while "drafter update started" not in srv.log.read_text():
+            assert time.monotonic() < deadline, srv.log.read_text()
+            time.sleep(0.1)
+        time.sleep(1.2)  # the update is two or three slices in: 4 s in all
+        messages = [{"role": "user", "content": "def add_3(x):"}]
+        sent = time.monotonic()
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=16)
+        waited = time.monotonic() - sent
+        assert reply.choices[0].message.content == chat_greedy(tiny, messages, 16)[1]
+        assert waited < 2.0, srv.log.read_text()
+        idle(srv)
+        deadline = time.monotonic() + 60
+        while "drafter update 1:" not in (log := srv.log.read_text()):  # went on when idle, and ended
+            assert time.monotonic() < deadline, log
+            time.sleep(0.2)
+        assert log.index("drafter update paused") < log.index("drafter update 1:")
+    finally:
+        assert srv.stop() == 0, srv.log.read_text()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 from itertools import chain, zip_longest
 from pathlib import Path
@@ -240,17 +240,37 @@ class OnlineLearner:
     def update(self, record: dict | None = None, batches: list[list[Example]] | None = None) -> UpdateReport | None:
         """One update on the buffer (whatever its size), then save and clear it; or, under
         mlx.launch, on this rank's share of each gradient batch (`batches`, as many on every rank)."""
+        slices = self.update_slices(record, batches)
+        while True:
+            try:
+                next(slices)
+            except StopIteration as done:
+                return done.value
+
+    def update_slices(
+        self, record: dict | None = None, batches: list[list[Example]] | None = None, piece: int | None = None
+    ) -> Generator[None, None, UpdateReport | None]:
+        """update() a slice at a time (Distiller.step_slices, pieces of `piece` examples): a
+        server answers requests between two slices; returns update()'s report. Examples
+        added meanwhile wait for the next update."""
+        taken = len(self.buffer)
         if batches is None:
             if not self.buffer:
                 return None
-            batches = [self.buffer[i : i + self.cfg.batch] for i in range(0, len(self.buffer), self.cfg.batch)]
-        start = time.perf_counter()
-        steps = self.distiller.update_batches(batches)
+            batches = [self.buffer[i : i + self.cfg.batch] for i in range(0, taken, self.cfg.batch)]
+        start, seconds, steps = time.perf_counter(), 0.0, []
+        for batch in batches:
+            for step in self.distiller.step_slices(batch, piece):
+                seconds += time.perf_counter() - start  # the time between slices is not the update's
+                if step is not None:
+                    steps.append(step)
+                yield
+                start = time.perf_counter()
         self.updates += 1
         examples = int(all_sum(mx.array(sum(map(len, batches))), self.group).item())
         report = UpdateReport(self.updates, examples, self.cfg.steps, steps)
-        report.seconds = time.perf_counter() - start
-        self.buffer = []
+        report.seconds = seconds + time.perf_counter() - start
+        del self.buffer[:taken]
         self.last = report  # before the save: a Ctrl-C held through it arrives after
         if self.profile is not None and self.group.rank() == 0:
             t0 = time.perf_counter()

@@ -17,6 +17,7 @@ ids; memory stays that of one batch).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -222,6 +223,13 @@ class Distiller:
 
     def steps(self, batch: list[Example]) -> list[StepStats]:
         """cfg.steps gradient steps on one batch; the target runs once for all of them."""
+        return [s for s in self.step_slices(batch) if s is not None]
+
+    def step_slices(self, batch: list[Example], piece: int | None = None) -> Iterator[StepStats | None]:
+        """steps() a slice at a time: each step's gradient summed over pieces of `piece` examples
+        (None: the whole batch in one), None yielded after each piece but a step's last and the
+        step's StepStats after it: a server answers requests between two slices. Each piece's
+        loss is divided by the whole batch's positions, so the sum is the batch's gradient."""
         import time
 
         from mlx.nn.utils import average_gradients
@@ -238,41 +246,53 @@ class Distiller:
         ]
         n_d, n_n, tokens = np.array(all_sum(mx.array(local), self.group)).tolist()  # over all ranks
         if not n_d + n_n:
-            return []
+            return
         share = (n_d + n_n) / self.group.size()
-        if batch:
-            target_logp = target_logprobs(self.pair, batch, self.target_cols)
-            x = _pad([e.draft_ids for e in batch])
-            width = x.shape[1]
-            direct = _flat([e.direct_draft for e in batch], width)
-            ngram = _flat([e.ngram_pos for e in batch], width)
-            ngram_tok = mx.array(np.concatenate([e.ngram_tok for e in batch]).astype(np.int32))
-        out = []
+        size = piece or max(1, len(batch))
+        pieces = [batch[i : i + size] for i in range(0, len(batch), size)] or [[]]
+        inputs = []  # per piece: what its loss takes besides the drafter (the target run once, in the first step)
         for _ in range(self.cfg.steps):
-            if batch:
-                (_, kl, nll), grads = self.grad_fn(
-                    self.pair.draft, x, direct, target_logp, ngram, ngram_tok, self.draft_cols, self.cfg.lam, share
-                )
-            else:  # this rank has no part of the batch: it still takes part in the average
-                kl = nll = mx.array(0.0)
-                grads = tree_map(mx.zeros_like, self.pair.draft.trainable_parameters())
+            kl = nll = mx.array(0.0)
+            grads = None
+            for i, part in enumerate(pieces):
+                if i == len(inputs):
+                    inputs.append(self._inputs(part) if part else None)
+                if part:
+                    (_, part_kl, part_nll), part_grads = self.grad_fn(
+                        self.pair.draft, *inputs[i], self.draft_cols, self.cfg.lam, share
+                    )
+                else:  # this rank has no part of the batch: it still takes part in the average
+                    part_kl = part_nll = mx.array(0.0)
+                    part_grads = tree_map(mx.zeros_like, self.pair.draft.trainable_parameters())
+                grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
+                kl, nll = kl + part_kl, nll + part_nll
+                if i < len(pieces) - 1:
+                    mx.eval(grads, kl, nll)
+                    yield None
             self.opt.update(self.pair.draft, average_gradients(grads, self.group))
             kl, nll = all_sum(mx.stack([kl, nll]), self.group)
             mx.eval(kl, nll, self.pair.draft.trainable_parameters(), self.opt.state)
             t1 = time.perf_counter()
-            out.append(
-                StepStats(
-                    loss=(kl.item() + self.cfg.lam * nll.item()) / (n_d + n_n),
-                    kl=kl.item() / max(1, n_d),
-                    nll=nll.item() / max(1, n_n),
-                    direct=n_d,
-                    ngram=n_n,
-                    tokens=tokens,
-                    seconds=t1 - t0,
-                )
+            yield StepStats(
+                loss=(kl.item() + self.cfg.lam * nll.item()) / (n_d + n_n),
+                kl=kl.item() / max(1, n_d),
+                nll=nll.item() / max(1, n_n),
+                direct=n_d,
+                ngram=n_n,
+                tokens=tokens,
+                seconds=t1 - t0,
             )
             t0 = t1
-        return out
+
+    def _inputs(self, batch: list[Example]) -> tuple:
+        """(x, direct, target log-probabilities, n-gram rows, n-gram tokens) of a batch, for distill_loss."""
+        target_logp = target_logprobs(self.pair, batch, self.target_cols)
+        x = _pad([e.draft_ids for e in batch])
+        width = x.shape[1]
+        direct = _flat([e.direct_draft for e in batch], width)
+        ngram = _flat([e.ngram_pos for e in batch], width)
+        ngram_tok = mx.array(np.concatenate([e.ngram_tok for e in batch]).astype(np.int32))
+        return x, direct, target_logp, ngram, ngram_tok
 
     def update(self, examples: list[Example]) -> list[StepStats]:
         """cfg.steps gradient steps on each batch of cfg.batch examples, batch after batch."""

@@ -117,7 +117,7 @@ class Engine:
                 job = self.jobs.get(timeout=IDLE_S if self.learning.pending else 1.0)
             except queue.Empty:
                 if self.learning.pending:
-                    self.learning.idle()
+                    self.learning.idle(busy=lambda: not self.jobs.empty())
                 return
             self._admit(job)
         # Only this thread takes jobs out: the queue's head stays while it is looked at.

@@ -3,19 +3,23 @@
 The n-gram cache and the acceptance head learn as the pair decodes; here each
 reply is also queued for the drafter's next update (as `omnidraft chat` does).
 The engine calls idle() when its queue has been empty a moment: a due drafter
-update runs then (a request that arrives meanwhile waits for it), and what was
-learned is saved into the profile, under its lock and merged with what other
-processes saved meanwhile.
+update runs then, a slice at a time (one example's gradient: OnlineLearner.update_slices),
+and pauses as soon as a request arrives (the engine serves it, and the update goes on
+when it is idle again: the replies meanwhile are drafted by the weights so far, and
+verified as always); what was learned is saved into the profile, under its lock and
+merged with what other processes saved meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
 import traceback
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.failpoints import failpoint
 
 if TYPE_CHECKING:
     from omnidraft_mlx.decode.promptcache import PromptCache
@@ -34,11 +38,12 @@ class Learning:
     prompt_cache: PromptCache  # its drafter caches go stale with each update
     dirty: bool = False  # learned something not yet saved
     saves: int = 0
+    updating: Generator | None = None  # a drafter update under way (paused while requests run)
 
     @property
     def pending(self) -> bool:
         """Something for idle() to do."""
-        return self.dirty or self.update_due
+        return self.dirty or self.update_due or self.updating is not None
 
     @property
     def update_due(self) -> bool:
@@ -56,17 +61,28 @@ class Learning:
                 make_example(self.pair, draft_ids[-tail:], target_ids[-tail:], reply, self.learner.cfg.max_len)
             )
 
-    def idle(self) -> None:
-        """Between requests: a due drafter update, then save the n-grams and the acceptance head."""
-        if self.update_due:
+    def idle(self, busy: Callable[[], bool] = lambda: False) -> None:
+        """Between requests: a due drafter update, slice after slice until it ends or busy()
+        (a request waits: the update pauses, to go on at the next idle()); then save the
+        n-grams and the acceptance head."""
+        if self.updating is None and self.update_due:
+            self.updating = self.learner.update_slices(piece=1)
+            log.info("drafter update started (%d replies)", len(self.learner.buffer))
+        if self.updating is not None:
             try:
-                report = self.learner.update()  # saves the adapter into the profile
+                while not busy():
+                    failpoint("update")
+                    next(self.updating)
+                log.info("drafter update paused: a request arrived")
+                return
+            except StopIteration as done:  # saved the adapter into the profile
+                report = done.value
                 log.info("drafter update %d: loss %.3f, %.1fs", report.update, report.loss, report.seconds)
             except Exception:
                 log.error("the drafter update failed; drafter learning stops:\n%s", traceback.format_exc())
                 self.learner = None
-            finally:
-                self.prompt_cache.drafter_changed()  # new drafter weights: its cached prefixes are stale
+            self.updating = None
+            self.prompt_cache.drafter_changed()  # new drafter weights: its cached prefixes are stale
         self.save()
 
     def save(self) -> None:
