@@ -243,6 +243,24 @@ def test_rollback_from_a_fresh_cache(family):
         assert mx.allclose(x, y, atol=1e-5).item()
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "mamba2", "rwkv7", "jamba"])
+def test_mlx_lm_caches_on_the_same_model_leave_a_rollback_alone(family):
+    """mlx-lm's own caches running the same model between a verify forward and its rollback (plain
+    decoding beside speculation) record nothing into this package's caches."""
+    model = any_build(family)
+    ids = np.random.default_rng(3).integers(0, VOCAB, 12).tolist()
+    slot, ref = KVSlot.fresh(model), KVSlot.fresh(model)
+    slot.extend(model, ids[:5])
+    slot.forward_tree(model, ids[5], TokenTree.of(ids[6:10]))
+    kept = [dict(s.steps[2]) for c in slot.cache for s in layers(c) if isinstance(s, StepsCache)]
+    mx.eval(model(mx.array([ids[:3]]), cache=make_prompt_cache(model)))
+    assert kept == [s.steps[2] for c in slot.cache for s in layers(c) if isinstance(s, StepsCache)]
+    slot.rewind(7)
+    ref.extend(model, ids[:7])
+    for x, y in zip(recurrent_states(slot.cache), recurrent_states(ref.cache)):
+        assert mx.allclose(x, y, atol=1e-5).item()
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 def test_kernel_rows_keep_the_same_states(family, monkeypatch):
     """The Metal kernel's way to every state (a batch row per position, later positions masked),

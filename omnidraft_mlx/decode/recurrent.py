@@ -92,6 +92,9 @@ class StepsCache(ArraysCache):
     def slot_shapes(self) -> list:
         return [None if v is None else v.shape for v in self.cache]
 
+    def value(self, idx: int):
+        return self.cache[idx]
+
     def advance(self, N: int):
         """The layer's forward over N positions is done."""
         super().advance(N)
@@ -157,13 +160,20 @@ class StepsCache(ArraysCache):
         return copy
 
 
-def _recorder() -> tuple | None:
+_NO_STATE = object()
+
+
+def _recorder(state=_NO_STATE) -> tuple | None:
     """(cache, slot) to record into: the cache read last, unless its layer's forward is done and
-    already recorded that slot (then the read was not a layer's about to run: a model's own check)."""
+    already recorded that slot (then the read was not a layer's about to run: a model's own check).
+    Given the state a recurrence was handed, only if it is that slot's (not another cache's, as
+    when mlx-lm's own caches run the same model after this one's was read)."""
     if _read is None:
         return None
     cache, idx = _read
-    return None if getattr(cache, "closed", False) and idx in cache.records else _read
+    if getattr(cache, "closed", False) and idx in cache.records:
+        return None
+    return _read if state is _NO_STATE or state is cache.value(idx) else None
 
 
 class RowsStates(ArraysCache):
@@ -178,17 +188,23 @@ class RowsStates(ArraysCache):
         self.caches, self.widths = caches, widths
         self.records: dict[int, Steps] = {}
         self.written: dict[int, mx.array] = {}
+        self.stacked: dict[int, mx.array | None] = {}
 
     def __getitem__(self, idx):
         global _read
         _read = (self, idx)
+        return self.value(idx)
+
+    def value(self, idx: int):
+        """The rows' values stacked (the same array each read: recurrences are matched by identity)."""
         if idx in self.written:
             return self.written[idx]
-        values = [c.cache[idx] for c in self.caches]
-        if all(v is None for v in values):
-            return None
-        like = next(v for v in values if v is not None)
-        return mx.concatenate([mx.zeros_like(like) if v is None else v for v in values])
+        if idx not in self.stacked:
+            values = [c.cache[idx] for c in self.caches]
+            like = next((v for v in values if v is not None), None)
+            stack = None if like is None else mx.concatenate([mx.zeros_like(like) if v is None else v for v in values])
+            self.stacked[idx] = stack
+        return self.stacked[idx]
 
     def __setitem__(self, idx, value):
         self.written[idx] = value
@@ -286,13 +302,13 @@ def _keeping_gated_delta(update):
 
     def keeping(*args, **kwargs):
         global _steps
-        to = _recorder()
+        call = signature.bind(*args, **kwargs).arguments
+        to = _recorder(call.get("state"))
         if to is None or not 1 < args[0].shape[1] <= RECORD_MAX:
             y, state = update(*args, **kwargs)
             if to is not None and args[0].shape[1] == 1:
                 to[0].record(to[1], Steps(1, lambda m: state))
             return y, state
-        call = signature.bind(*args, **kwargs).arguments
         if _kernel_rows() and call.get("mask") is None:
             y, state, steps = _gated_delta_rows(update, call)
         else:
@@ -323,10 +339,12 @@ def ssm_state(x, A_log, B, C, D, dt, dt_bias, state=None, time_step_limit=(0.001
 
 def _keeping_ssm(update):
     """ssm_update that, after a StepsCache read, records the state after each position."""
+    signature = inspect.signature(update)
 
     def keeping(*args, **kwargs):
         out = update(*args, **kwargs)
-        if (to := _recorder()) is not None and (n := args[0].shape[1]) <= RECORD_MAX:
+        state = signature.bind(*args, **kwargs).arguments.get("state")
+        if (to := _recorder(state)) is not None and (n := args[0].shape[1]) <= RECORD_MAX:
             to[0].record(to[1], Steps(n, lambda m: out[1] if m == n else ssm_state(*args, **kwargs, m=m)))
         return out
 
@@ -339,7 +357,7 @@ def _keeping_rnn_scan(scan):
 
     def keeping(x, a, h0):
         y, last = scan(x, a, h0)
-        if (to := _recorder()) is not None and (n := x.shape[1]) <= RECORD_MAX:
+        if (to := _recorder(h0)) is not None and (n := x.shape[1]) <= RECORD_MAX:
             to[0].record(to[1], Steps(n, lambda m: last if m == n else y[:, m - 1]))
         return y, last
 
@@ -418,7 +436,7 @@ def _rwkv7_time_mixing(mixing):
 
     class TimeMixing(mixing):
         def _wkv7(self, r, w, k, v, a, b, state):
-            to = _recorder()
+            to = _recorder(state)
             if to is None or not 1 < r.shape[1] <= RECORD_MAX:
                 y, state = super()._wkv7(r, w, k, v, a, b, state)
                 if to is not None and r.shape[1] == 1:
@@ -445,7 +463,7 @@ def _jamba_mixer(mixer):
     class JambaMixer(_advancing(mixer)):
         def ssm_step(self, x, A, state=None):
             y, last = super().ssm_step(x, A, state)
-            if (to := _recorder()) is not None and (n := x.shape[1]) <= RECORD_MAX:
+            if (to := _recorder(state)) is not None and (n := x.shape[1]) <= RECORD_MAX:
                 scan = super().ssm_step
                 to[0].record(to[1], Steps(n, lambda m: last if m == n else scan(x[:, :m], A, state)[1]))
             return y, last
