@@ -273,6 +273,38 @@ FAMILIES: dict[str, dict] = {
         sliding_window_pattern=2,
         num_global_key_value_heads=2,
     ),
+    "hunyuan": dict(
+        moe_topk=2,
+        num_shared_expert=1,
+        use_mixed_mlp_moe=True,
+        use_qk_norm=True,
+        use_cla=False,
+        cla_share_factor=1,
+        rope_scaling={"alpha": 1.0, "factor": 1.0, "type": "dynamic"},
+    ),
+    "mistral4": dict(
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "llama_4_scaling_beta": 0.0,
+            "original_max_position_embeddings": 512,
+        }
+    ),
+    "exaone_moe": dict(
+        num_shared_experts=1,
+        layer_types=["sliding_attention", "full_attention"],
+        is_moe_layer=[False, True],
+    ),
+    "bailing_moe": dict(num_shared_experts=1),
+    "step3p5": dict(
+        num_attention_groups=2,
+        moe_num_experts=4,
+        moe_top_k=2,
+        share_expert_dim=32,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "afm7": dict(hidden_dim=64, num_kv_reuse_layers=1),
+    "baichuan_m1": dict(sliding_window_layers=[0], conv_window=2),
 }
 
 # Families with recurrent state that does not roll back yet: none. decode/recurrent.py keeps the state
@@ -285,6 +317,7 @@ RECURRENT: set[str] = set()
 # Families refused in one line (an OmniDraftError naming what to do), with why.
 REFUSED = {
     "deepseek_v41": "its LayerCache layers cannot roll back rejected draft tokens",
+    "baichuan_m1": "its key-convolution state and window caches (inside a CacheList) do not roll back",
 }
 
 

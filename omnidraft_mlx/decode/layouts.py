@@ -27,8 +27,10 @@ _said: set[tuple[str, str]] = set()
 
 
 def offset(c) -> int:
-    """Positions a layer's cache holds (a CacheList's: its first cache's)."""
-    return c.offset if hasattr(c, "offset") else offset(c[0])
+    """Positions a layer's cache holds (a CacheList's: its first attention cache's; 0 for state alone)."""
+    if hasattr(c, "offset"):
+        return c.offset
+    return next((offset(s) for s in getattr(c, "caches", ()) if hasattr(s, "offset") or hasattr(s, "caches")), 0)
 
 
 def say_once(model, what: str) -> None:
