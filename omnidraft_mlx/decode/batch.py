@@ -61,6 +61,8 @@ def forward_trees(model, slots: list[KVSlot], roots: list[int], trees: list[Toke
     """KVSlot.forward_tree for each (slot, root, tree), in one forward where the caches and the model
     allow (layouts.py; else one forward each): each row's logits after its root and each of its
     nodes. On an exception every cache holds what it held before."""
+    for slot, tree in zip(slots, trees):
+        slot.fit_tree(tree)  # recurrent layers verify chains: cut first, so the rows can still batch
     one_by_one = len(slots) == 1 or not batchable(slots)
     one_by_one = one_by_one or (not all(t.is_chain for t in trees) and not takes_trees(model))
     layout = None if one_by_one else batch_layout(model)

@@ -124,14 +124,18 @@ class KVSlot:
         self.tokens += ids
         return prefill(model, self.cache, ids, rows)
 
-    def forward_tree(self, model, root: int, tree: TokenTree) -> mx.array:
-        """The model's logits after the root and after each of the tree's nodes (one forward)."""
+    def fit_tree(self, tree: TokenTree) -> None:
+        """Cut the tree to its chain (in place) where this cache's recurrent layers need one: a
+        branch's recurrent state would depend on its own path."""
         if not tree.is_chain and is_recurrent(self.cache):
-            # A branch's recurrent state would depend on its own path: verify the chain (the tree cut in place).
             if not _said:
                 log.info("this target has recurrent layers: its drafts are verified as chains, not trees")
                 _said.append(True)
             del tree.tokens[tree.chain :], tree.parents[tree.chain :]
+
+    def forward_tree(self, model, root: int, tree: TokenTree) -> mx.array:
+        """The model's logits after the root and after each of the tree's nodes (one forward)."""
+        self.fit_tree(tree)
         out = tree_forward(model, self.cache, root, tree)
         self.tokens += [root, *tree.tokens]
         return out
