@@ -323,6 +323,7 @@ def agent_env(agent: str, home: Path, proxy: str, key: str, target: str, context
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_TELEMETRY": "1",
         "DISABLE_AUTOUPDATER": "1",
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000",  # its 5 minutes: a long prompt may prefill longer
     }
 
 
