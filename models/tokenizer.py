@@ -91,7 +91,9 @@ _IGNORE_MERGES = {
 }
 # Qwen's tokenizers normalize their input to NFC.
 _NFC = {"qwen2", "deepseek-r1-qwen"}
-_USER_DEFINED = 4  # llama.cpp token type: an added token matched whole in the raw text
+# llama.cpp token types
+_NORMAL = 1
+_USER_DEFINED = 4  # an added token, matched whole in the raw text
 
 
 def _field(reader, key, default=None):
@@ -150,16 +152,37 @@ def _byte_level(tok: Tokenizer, td: dict) -> Tokenizer:
     if pre in _NFC:
         tok.normalizer = normalizers.NFC()
     data = json.loads(tok.to_str())
-    data["model"]["ignore_merges"] = pre in _IGNORE_MERGES
-    # A user-defined token is stored as its raw text (MPT's runs of spaces), which llama.cpp matches
-    # whole in the text. transformers respells it byte-level ("ĠĠ"), a spelling merges also build,
-    # so the raw text becomes a second name of the same id, matched as an added token.
-    vocab = data["model"]["vocab"]
-    raw = []
-    for i, (text, kind) in enumerate(zip(td["tokens"], td.get("token_type") or ())):
-        if kind == _USER_DEFINED and text not in vocab:
-            vocab[text] = i
+    model = data["model"]
+    model["ignore_merges"] = pre in _IGNORE_MERGES
+    # transformers respells a token stored as raw text byte-level ("  " -> "ĠĠ"). Where that is the
+    # text of another token (MPT: a user-defined run of spaces and the normal token 245 "ĠĠ";
+    # Command-R: raw emoji pieces), the other token keeps its name and the raw one gets its raw
+    # text. A user-defined token (MPT's runs of spaces) is matched whole in the text before anything
+    # else, as llama.cpp does: an added token. Merges building a name no token has any more go: the
+    # raw text is matched first, so they could never apply.
+    tokens, kinds = td["tokens"], td.get("token_type") or [_NORMAL] * len(td["tokens"])
+    own = {t: i for i, t in enumerate(tokens)}
+    by_id = {i: t for t, i in model["vocab"].items()}
+    gone, raw = set(), []
+    for i, (text, kind) in enumerate(zip(tokens, kinds)):
+        name = by_id.get(i)
+        if name == text:
+            continue
+        if name is None:  # its byte-level name went to a later token
+            if text not in model["vocab"]:
+                model["vocab"][text] = i
+        elif own.get(name, i) != i:
+            model["vocab"][name] = own[name]
+            model["vocab"][text] = i
+        elif kind == _USER_DEFINED:
+            del model["vocab"][name]
+            model["vocab"][text] = i
+            gone.add(name)
+        if kind == _USER_DEFINED:
             raw.append(AddedToken(text, normalized=False, special=False))
+    if gone:
+        pairs = [m if isinstance(m, list) else m.split(" ") for m in model["merges"]]
+        model["merges"] = [m for m in pairs if not {m[0], m[1], m[0] + m[1]} & gone]
     tok = Tokenizer.from_str(json.dumps(data))
     tok.add_tokens(raw)
     return tok

@@ -50,13 +50,18 @@ def token_bytes(tokenizer, size: int | None = None) -> list[bytes | None]:
     size = max(size or 0, max(vocab.values()) + 1)
     special = set(hf_tok.all_special_ids)
     special |= {i for i, t in hf_tok.added_tokens_decoder.items() if t.special}
+    # An added token matches its own text in the input, so it stands for that text, even where the
+    # text reads as other bytes byte-level (DeepSeek's "õ", token 32000: b"\xc3\xb5", not b"\xf5").
+    added = set(hf_tok.added_tokens_decoder)
     byte_level = _is_byte_level(hf_tok)
     byte_decoder = _gpt2_byte_decoder()
     out: list[bytes | None] = [None] * size
     for piece, idx in vocab.items():
         if idx in special:
             continue
-        if byte_level:
+        if byte_level and idx in added:
+            out[idx] = piece.encode()
+        elif byte_level:
             try:
                 out[idx] = bytes(byte_decoder[c] for c in piece)
             except KeyError:  # a non-special added token stored as plain text
