@@ -92,10 +92,57 @@ def test_openai_tool_call_round_trip(server):
     assert answer.choices[0].message.content and answer.usage.prompt_tokens > reply.usage.prompt_tokens
 
 
-def weather_agent(server, target: str, **kw):
+def test_responses_and_messages_tool_call_round_trips(server):
+    """The call comes back as a function_call item (Responses) and a tool_use block (Messages),
+    streamed and not; its result sent back gets an answer."""
+    import anthropic
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    tool = {"type": "function", **WEATHER["function"]}
+    reply = client.responses.create(model=TARGET, input=[QUESTION], tools=[tool], max_output_tokens=32)
+    (call,) = reply.output
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
+    events = list(
+        client.responses.create(model=TARGET, input=[QUESTION], tools=[tool], max_output_tokens=32, stream=True)
+    )
+    args = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert [json.loads(a) for a in args] == [{"city": "Paris"}] and events[-1].type == "response.completed"
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, cloudy"}
+    said = [QUESTION, call.model_dump(), result]
+    answer = client.responses.create(model=TARGET, input=said, tools=[tool], max_output_tokens=32)
+    assert answer.output and answer.usage.input_tokens > reply.usage.input_tokens
+
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+    claude_tool = {"name": "get_weather", "description": "The weather in a city"}
+    claude_tool["input_schema"] = WEATHER["function"]["parameters"]
+    said = claude.messages.create(model=TARGET, max_tokens=32, messages=[QUESTION], tools=[claude_tool])
+    (use,) = said.content
+    assert (use.type, use.name, use.input, said.stop_reason) == (
+        "tool_use",
+        "get_weather",
+        {"city": "Paris"},
+        "tool_use",
+    )
+    with claude.messages.stream(model=TARGET, max_tokens=32, messages=[QUESTION], tools=[claude_tool]) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.type, b.input) for b in streamed.content] == [("tool_use", {"city": "Paris"})]
+    back = {"type": "tool_result", "tool_use_id": use.id, "content": "18 degrees, cloudy"}
+    messages = [QUESTION, {"role": "assistant", "content": said.content}, {"role": "user", "content": [back]}]
+    assert claude.messages.create(model=TARGET, max_tokens=32, messages=messages, tools=[claude_tool]).content
+
+
+def weather_agent(server, target: str, responses: bool = False, **kw):
     """An openai-agents agent on the server's model, in its default tool_choice ("auto"), with a
-    get_weather tool; (the agent, the cities the tool was asked about)."""
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, function_tool, set_tracing_disabled
+    get_weather tool, through /v1/chat/completions or (responses) through /v1/responses, as the
+    framework's default model class speaks; (the agent, the cities the tool was asked about)."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        function_tool,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)  # nothing leaves the machine
     asked = []
@@ -106,9 +153,8 @@ def weather_agent(server, target: str, **kw):
         asked.append(city)
         return f"{city}: 18 degrees Celsius, cloudy"
 
-    model = OpenAIChatCompletionsModel(
-        model=target, openai_client=AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    )
+    kind = OpenAIResponsesModel if responses else OpenAIChatCompletionsModel
+    model = kind(model=target, openai_client=AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0))
     settings = ModelSettings(temperature=0, max_tokens=48)
     return Agent(
         name="weather",
@@ -120,13 +166,15 @@ def weather_agent(server, target: str, **kw):
     ), asked
 
 
-def test_an_openai_agents_agent_uses_a_tool_through_the_server(server):
-    """The agent picks the tool and its argument through the server, streamed and not; the tool's
+@pytest.mark.parametrize("responses", [False, True], ids=["chat-completions", "responses"])
+def test_an_openai_agents_agent_uses_a_tool_through_the_server(server, responses):
+    """The agent picks the tool and its argument through the server, streamed and not, on the chat
+    completions model class and on the framework's default one (the Responses API); the tool's
     result is its answer (stop_on_first_tool: after a tool result, with the tools still offered,
     this small model writes the same call again, as JSON, rather than an answer)."""
     from agents import Runner
 
-    agent, asked = weather_agent(server, TARGET, tool_use_behavior="stop_on_first_tool")
+    agent, asked = weather_agent(server, TARGET, responses, tool_use_behavior="stop_on_first_tool")
 
     async def ask() -> tuple[str, str]:  # one event loop: the client's connections belong to it
         done = await Runner.run(agent, "What is the weather in Paris?", max_turns=2)
