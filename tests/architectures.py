@@ -307,11 +307,10 @@ FAMILIES: dict[str, dict] = {
     "baichuan_m1": dict(sliding_window_layers=[0], conv_window=2),
 }
 
-# Families with recurrent state that does not roll back yet: none. decode/recurrent.py keeps the state
-# per draft position for gated delta (qwen3_5, qwen3_next, olmo_hybrid, ...), Mamba-2 (mamba2, nemotron_h,
-# granitemoehybrid, falcon_h1, plamo2), Mamba-1 (mamba, jamba), RG-LRU (recurrent_gemma), RWKV-7 (rwkv7)
-# and short-convolution (lfm2) layers.
-RECURRENT: set[str] = set()
+# Recurrent families are in FAMILIES like the rest: decode/recurrent.py keeps the state per draft position
+# for gated delta (qwen3_5, qwen3_next, olmo_hybrid, ...), Mamba-2 (mamba2, nemotron_h, granitemoehybrid,
+# falcon_h1, plamo2), Mamba-1 (mamba, jamba), RG-LRU (recurrent_gemma), RWKV-7 (rwkv7) and
+# short-convolution (lfm2) layers.
 
 
 # Families refused in one line (an OmniDraftError naming what to do), with why.

@@ -8,7 +8,7 @@ import functools
 
 import mlx.core as mx
 import pytest
-from architectures import FAMILIES, RECURRENT, REFUSED, build
+from architectures import FAMILIES, REFUSED, build
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from tiny_models import corpus, train_tokenizer, write_model
@@ -27,10 +27,9 @@ PROMPTS = ["def add_7(x):\n    return x + 7\n", "print(add_3(9))  # four\n", "x"
 TOKENS = 24
 
 
-def families():
-    """Every family, the recurrent ones expected to fail until their state rolls back."""
-    recurrent = pytest.mark.xfail(strict=False, reason="recurrent: state kept per draft position (decode/recurrent.py)")
-    return [pytest.param(f, marks=recurrent) if f in RECURRENT else f for f in FAMILIES if f not in REFUSED]
+def families() -> list[str]:
+    """Every family built here but the refused ones (test_a_refused_family_says_so_in_one_line)."""
+    return [f for f in FAMILIES if f not in REFUSED]
 
 
 @pytest.fixture(scope="module")
