@@ -148,6 +148,8 @@ def context_length(model) -> int | None:
 
 
 def _with_stand_in(model, hidden, call):
+    # The LM's backbone is swapped for the call: a model is run by one thread at a time (the engine's
+    # loop, tree.py's rewiring likewise), never concurrently.
     a = anatomy(model)
     backbone = a.lm[a.backbone]
     a.lm[a.backbone] = _StandIn(backbone, hidden)
