@@ -6,9 +6,9 @@ the same prompt, as through /v1/chat/completions."""
 import anthropic
 import httpx
 import pytest
-from openai import NotFoundError, OpenAI
-from test_server import KEY, chat_greedy, error_of, start
-from test_server_tools import WEATHER, template_greedy
+from openai import NotFoundError
+from test_server import KEY, chat_greedy, error_of
+from test_server_tools import WEATHER, client, server, template_greedy  # noqa: F401 (client, server: fixtures)
 
 from omnidraft_mlx.prompts import encode_prompt
 
@@ -18,19 +18,6 @@ CLAUDE_TOOL = {
     "description": "The weather in a city",
     "input_schema": WEATHER["function"]["parameters"],
 }
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dirs, tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve-apis")
-    srv = start(tiny_dirs, root / "home", root / "server.log", "--api-key", KEY, "--max-tokens", "16")
-    yield srv
-    assert srv.stop() == 0, srv.log.read_text()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
