@@ -11,7 +11,7 @@ llama.cpp's own vocab tests (tests/test_gguf_vocab.py).
 import json
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 
 from omnidraft_mlx.errors import OmniDraftError
 
@@ -134,11 +134,14 @@ def _whitespace_merges_first(tok: Tokenizer) -> Tokenizer:
 def _sentencepiece_spaces(tok: Tokenizer, td: dict) -> None:
     """llama.cpp prepends a space to every SentencePiece text (add_space_prefix, on unless the GGUF
     says otherwise), even one that starts with a space; Metaspace would not add a second one."""
+    prefix = td.get("add_prefix_space", True)
     steps = [normalizers.Replace(" ", "\u2581")]
-    if td.get("add_prefix_space", True):
+    if prefix:
         steps.insert(0, normalizers.Prepend("\u2581"))
     tok.normalizer = normalizers.Sequence(steps)
     tok.pre_tokenizer = None
+    if not prefix:  # no space was added, so decoding takes none off
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
 
 
 def _byte_level(tok: Tokenizer, td: dict) -> Tokenizer:
