@@ -115,3 +115,47 @@ def test_rows_forwarded_one_by_one_all_go_back_when_one_fails(tiny, monkeypatch)
     assert first.tokens == [5, 6, 7] and all(c.offset == 3 for c in first.cache)
     (out,) = batch.forward_trees(model, [first], [8], [TokenTree.of([9, 10])])  # and decodes on from there
     assert first.tokens == [5, 6, 7, 8, 9, 10] and out.shape[0] == 3
+
+
+def test_a_save_rewrites_only_the_parts_that_changed(tiny_dirs, tmp_path, monkeypatch):
+    from omnidraft_mlx.profile.store import HISTORY, NGRAMS
+
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path / "home"))
+    model = str(tiny_dirs["target"])
+    profile = Profile(profile_dir(model, model), model, model)
+    history = profile.attach_history()
+    profile.ngrams.add((5, 6), 7)
+    history.add(list(range(40)))
+    profile.save()
+    first = dict(profile.synced)
+    assert not profile.ngrams.changed and not history.changed
+    profile.ngrams.add((8, 9), 10)  # the n-grams learn; the history does not
+    assert profile.ngrams.changed
+    profile.save()
+    assert profile.synced[HISTORY] == first[HISTORY] and profile.synced[NGRAMS] != first[NGRAMS]
+    again = load_profile(model, model)
+    assert len(again.ngrams) == 2 and len(again.attach_history()) == len(history)  # both whole, the old file kept
+
+
+def test_serve_saves_when_quiet_and_at_most_every_so_often_while_replies_come(tiny_dirs, tmp_path, monkeypatch):
+    from omnidraft_mlx.decode.promptcache import PromptCache
+    from omnidraft_mlx.serve import learning
+    from omnidraft_mlx.serve.learning import Learning
+
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path / "home"))
+    model = str(tiny_dirs["target"])
+    profile = Profile(profile_dir(model, model), model, model)
+    learn = Learning(None, profile, None, PromptCache())
+    profile.ngrams.add((5, 6), 7)
+    learn.observe([1, 2], [1, 2], [3])
+    learn.idle()  # a reply just now, a save just now: not yet
+    assert learn.saves == 0 and learn.pending
+    learn.last_save -= learning.SAVE_EVERY_S  # replies kept coming for a while: saved
+    learn.idle()
+    assert learn.saves == 1 and not learn.pending
+    learn.observe([1, 2], [1, 2], [3])
+    learn.idle()
+    assert learn.saves == 1
+    learn.last_reply -= learning.QUIET_S  # no reply for a while: saved
+    learn.idle()
+    assert learn.saves == 2 and load_profile(model, model).ngrams.entries == {(5, 6): 7}

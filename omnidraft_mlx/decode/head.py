@@ -115,6 +115,11 @@ class LearnedHead:
     def p_accept(self, features: mx.array) -> float:
         return mx.sigmoid(self.net(features)).item()
 
+    @property
+    def changed(self) -> bool:
+        """Learned anything since loaded or saved (a profile save skips it otherwise)."""
+        return self.unsaved > 0 or self.rounds != self.synced_rounds
+
     def learn(self, features: np.ndarray, labels, steps: int) -> None:
         """Add labelled draft tokens (a row of features each) to the replay buffer,
         then take `steps` training steps on it."""

@@ -137,6 +137,11 @@ class HistoryIndex:
     def __len__(self) -> int:
         return len(self.next)
 
+    @property
+    def changed(self) -> bool:
+        """Learned anything since loaded or saved (a profile save skips it otherwise)."""
+        return bool(self.fresh)
+
     def add(self, ids: list[int], start: int = 0) -> None:
         """Count what follows each n-gram at positions start.. of ids (ids before start: context)."""
         with deferred_interrupt():

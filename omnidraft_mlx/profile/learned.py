@@ -23,7 +23,7 @@ from typing import Any
 
 @dataclass
 class Part:
-    obj: Any  # has save(path) and merge(other)
+    obj: Any  # has save(path) and merge(other); `changed` (optional): learned since loaded or saved
     suffix: str  # its file's ending, e.g. ".json"
     read: Callable[[Path], Any]  # a copy of the part as saved at a path
 

@@ -17,7 +17,8 @@ saved since this one loaded (or last saved):
 - adapter weights cannot be merged: a process saving an update keeps its own
   adapter and optimizer state as the newest, counts both processes' updates,
   and says so in one line; a save without an update leaves the adapter as it is.
-It writes the new files first and the manifest last (each atomically), then, with
+It writes the new files first (a part that learned nothing since keeps its file: a save
+costs what changed) and the manifest last (each atomically), then, with
 no other writer in flight under the lock, deletes what the old manifest named and
 leftovers of saves that died: a kill loses at most the save in flight and leaves
 the previous profile loadable; Ctrl-C waits for a save to end. Profiles written
@@ -223,7 +224,8 @@ class Profile:
             if record is not None:
                 manifest["history"] = (disk.get("history", []) + [record])[-1000:]
             for name, part in self.parts.items():
-                write(name, part.suffix, part.obj.save)
+                if name not in files or getattr(part.obj, "changed", True):  # unchanged: its file stays
+                    write(name, part.suffix, part.obj.save)
             manifest["files"] = files
             atomic_write_text(self.path / MANIFEST, json.dumps(manifest, indent=1))
         except BaseException:

@@ -7,15 +7,17 @@ update runs then, a slice at a time (one example's gradient: OnlineLearner.updat
 and pauses as soon as a request arrives (the engine serves it, and the update goes on
 when it is idle again: the replies meanwhile are drafted by the weights so far, and
 verified as always); what was learned is saved into the profile, under its lock and
-merged with what other processes saved meanwhile.
+merged with what other processes saved meanwhile: once no reply has been served for
+QUIET_S, and while requests keep coming at most every SAVE_EVERY_S (on exit always).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from omnidraft_mlx.errors import OmniDraftError
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from omnidraft_mlx.profile.store import Profile
 
 log = logging.getLogger("omnidraft.serve")
+QUIET_S = 2.0  # no reply served for this long: save what was learned
+SAVE_EVERY_S = 10.0  # while replies keep coming, a save at most this often
 
 
 @dataclass
@@ -39,6 +43,8 @@ class Learning:
     dirty: bool = False  # learned something not yet saved
     saves: int = 0
     updating: Generator | None = None  # a drafter update under way (paused while requests run)
+    last_reply: float = 0.0  # time.monotonic() of the last reply served
+    last_save: float = field(default_factory=time.monotonic)
 
     @property
     def pending(self) -> bool:
@@ -54,7 +60,7 @@ class Learning:
         tail of each prompt (a training sequence must keep the reply within the learner's max_len)."""
         from omnidraft_mlx.learn.distill import make_example
 
-        self.dirty = True
+        self.dirty, self.last_reply = True, time.monotonic()
         if reply and self.learner is not None:
             tail = self.learner.cfg.max_len // 4
             self.learner.add(
@@ -64,7 +70,8 @@ class Learning:
     def idle(self, busy: Callable[[], bool] = lambda: False) -> None:
         """Between requests: a due drafter update, slice after slice until it ends or busy()
         (a request waits: the update pauses, to go on at the next idle()); then save the
-        n-grams and the acceptance head."""
+        n-grams and the acceptance head, if no reply came for QUIET_S or none was saved
+        for SAVE_EVERY_S."""
         if self.updating is None and self.update_due:
             self.updating = self.learner.update_slices(piece=1)
             log.info("drafter update started (%d replies)", len(self.learner.buffer))
@@ -83,13 +90,16 @@ class Learning:
                 self.learner = None
             self.updating = None
             self.prompt_cache.drafter_changed()  # new drafter weights: its cached prefixes are stale
-        self.save()
+        now = time.monotonic()
+        if now - self.last_reply >= QUIET_S or now - self.last_save >= SAVE_EVERY_S:
+            self.save()
 
     def save(self) -> None:
         """The n-grams and the acceptance head into the profile (under its lock, merged
         with what other processes saved meanwhile; atomically)."""
         if self.profile is None or not self.dirty:
             return
+        self.last_save = time.monotonic()
         try:
             self.profile.save()
             self.saves += 1

@@ -33,6 +33,11 @@ class NGramCache:
     def __len__(self) -> int:
         return len(self.entries)
 
+    @property
+    def changed(self) -> bool:
+        """Learned anything since loaded or saved (a profile save skips it otherwise)."""
+        return bool(self.fresh or self.used)
+
     def add(self, draft_ids: tuple[int, ...], target_id: int) -> None:
         if len(draft_ids) < 2 or draft_ids in self.entries:
             return
