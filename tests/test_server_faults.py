@@ -90,11 +90,12 @@ def test_a_failure_inside_one_request_fails_that_request_only(server, client, ti
     after = idle(server)
     assert after["failed"] == before["failed"] + len(FAILING)
     assert after["served"] == before["served"] + len(plain) + 2
-    log = server.log.read_text()
+    deadline = time.monotonic() + 60
+    while "could not save the profile" not in (log := server.log.read_text()):  # the first save failed ...
+        assert time.monotonic() < deadline, log  # (saves wait for 2 s without a reply)
+        time.sleep(0.2)
     assert "verifying them one at a time" in log  # the batch was retried row by row, not failed whole
     assert "learning from a reply failed" in log
-    assert "could not save the profile" in log  # the first save failed ...
-    deadline = time.monotonic() + 60
     while server.health()["profile_saves"] < 1:  # ... and the next one, after the next reply, did not
         client.chat.completions.create(model=model, messages=messages("print(add_"), max_tokens=4)
         assert time.monotonic() < deadline, log
@@ -160,12 +161,17 @@ def test_sigterm_mid_stream_ends_the_stream_saves_and_exits_within_10_s(tiny_dir
     try:
         with OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
             c.chat.completions.create(model=str(tiny_dirs["target"]), messages=messages("print(add_"), max_tokens=16)
+        deadline = time.monotonic() + 60
+        while "drafter update 1:" not in srv.log.read_text():  # its update over (one a request would pause)
+            assert time.monotonic() < deadline, srv.log.read_text()
+            time.sleep(0.1)
         body = {"messages": messages("def add_1(x):"), "max_tokens": 1900, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             while '"content": "' not in next(lines):  # the reply has begun
                 pass
-            learned = srv.health()["ngrams"]
+            while not (learned := srv.health()["ngrams"]):  # the reply's n-grams so far: some
+                next(lines)
             sent = time.monotonic()
             srv.proc.terminate()
             rest = [line for line in lines if line.startswith("data: ")]
