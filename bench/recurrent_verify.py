@@ -22,6 +22,7 @@ import copy
 import importlib
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -210,7 +211,7 @@ def main(argv=None) -> None:
         f"{report['device']}, {args.dtype}, {args.cached} cached tokens, fastest of {args.passes} passes, "
         f"random weights at each model's real size{' (TINY sizes: a check, not a measurement)' if args.tiny else ''}.",
         f"Bar: keeping / plain <= {BAR} at 8 tokens. Command: `./run.sh python -m omnidraft_mlx.bench.recurrent_verify "
-        f"--out {args.out}`.",
+        f"{' '.join(argv if argv is not None else sys.argv[1:])}`.",
         "",
         "| shape | tokens | plain ms | keeping ms | keeping / plain |",
         "|---|---|---|---|---|",
