@@ -89,6 +89,32 @@ LINEAR_ATTENTION = dict(
     partial_rotary_factor=0.25,
 )
 GEMMA3 = dict(query_pre_attn_scalar=16, sliding_window_pattern=2, rope_local_base_freq=10000.0)
+GEMMA4 = dict(
+    global_head_dim=16,
+    num_kv_shared_layers=0,
+    vocab_size_per_layer_input=VOCAB,
+    hidden_size_per_layer_input=16,
+    sliding_window_pattern=2,
+    num_global_key_value_heads=2,
+)
+LFM2 = dict(
+    conv_bias=False,
+    conv_L_cache=3,
+    block_dim=64,
+    block_ff_dim=128,
+    block_multiple_of=16,
+    block_ffn_dim_multiplier=1.0,
+    block_auto_adjust_ff_dim=False,
+    full_attn_idxs=[1],
+)
+LONGCAT = dict(
+    ffn_hidden_size=128,
+    moe_topk=2,
+    expert_ffn_hidden_size=32,
+    zero_expert_num=1,
+    mla_scale_q_lora=True,
+    mla_scale_kv_lora=True,
+)
 GRANITE = dict(logits_scaling=2.0, attention_multiplier=0.25, embedding_multiplier=2.0, residual_multiplier=0.5)
 MAMBA = dict(
     mamba_n_heads=4,
@@ -135,16 +161,7 @@ FAMILIES: dict[str, dict] = {
     "hunyuan_v1_dense": {},
     "internlm2": {},
     "internlm3": {},
-    "lfm2": dict(
-        conv_bias=False,
-        conv_L_cache=3,
-        block_dim=64,
-        block_ff_dim=128,
-        block_multiple_of=16,
-        block_ffn_dim_multiplier=1.0,
-        block_auto_adjust_ff_dim=False,
-        full_attn_idxs=[1],
-    ),
+    "lfm2": LFM2,
     "llama": {},
     "mamba": dict(use_bias=False, use_conv_bias=True, tie_word_embeddings=True),
     "mamba2": dict(
@@ -265,14 +282,7 @@ FAMILIES: dict[str, dict] = {
     "ernie4_5_moe": dict(use_bias=False, moe_num_experts=4, moe_k=2),
     "plamo": dict(n_shared_head=2),
     "llama4_text": dict(intermediate_size_mlp=128, no_rope_layers=[1, 0], use_qk_norm=True),
-    "gemma4_text": dict(
-        global_head_dim=16,
-        num_kv_shared_layers=0,
-        vocab_size_per_layer_input=VOCAB,
-        hidden_size_per_layer_input=16,
-        sliding_window_pattern=2,
-        num_global_key_value_heads=2,
-    ),
+    "gemma4_text": GEMMA4,
     "hunyuan": dict(
         moe_topk=2,
         num_shared_expert=1,
@@ -304,19 +314,116 @@ FAMILIES: dict[str, dict] = {
         layer_types=["sliding_attention", "full_attention"],
     ),
     "afm7": dict(hidden_dim=64, num_kv_reuse_layers=1),
+    "gemma4": dict(text_config=dict(GEMMA4, model_type="gemma4_text")),
+    "gemma3n": dict(
+        text_config=dict(
+            GEMMA3,
+            model_type="gemma3n_text",
+            num_kv_shared_layers=0,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=16,
+            final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "full_attention"],
+            activation_sparsity_pattern=[0.95, 0.0],
+            altup_num_inputs=2,
+            altup_coef_clip=120.0,
+            altup_correct_scale=True,
+            altup_active_idx=0,
+            laurel_rank=8,
+        )
+    ),
+    "llama4": dict(
+        text_config=dict(
+            model_type="llama4_text",
+            num_hidden_layers=4,  # every 4th layer attends globally (its mask is made from cache[3])
+            attention_chunk_size=16,
+            interleave_moe_layer_step=2,
+            intermediate_size_mlp=128,
+            use_qk_norm=True,
+            num_experts_per_tok=1,  # its MoE routes each token to one expert
+            rope_scaling=None,
+        )
+    ),
+    "kimi_linear": dict(
+        linear_attn_config={"kda_layers": [1], "num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4},
+        model_max_length=512,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+    ),
+    "deepseek_v2": dict(rope_scaling={"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 512}),
+    "kimi_k3": dict(
+        text_config=dict(
+            model_type="kimi_linear",
+            linear_attn_config={"kda_layers": [1], "num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4},
+            num_experts_per_token=2,
+            num_shared_experts=1,
+        )
+    ),
+    "lfm2-vl": dict(text_config=dict(LFM2, model_type="lfm2")),
+    "nemotron-nas": dict(
+        block_configs=[
+            {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 1.0}},
+            {"attention": {"no_op": True}, "ffn": {"ffn_mult": 1.0}},
+        ]
+    ),
+    "afmoe": dict(layer_types=["sliding_attention", "full_attention"], num_dense_layers=1, num_shared_experts=1),
+    "bailing_moe_linear": dict(layer_group_size=2, group_norm_size=1, num_shared_experts=1),
+    "bailing_hybrid": dict(
+        layer_group_size=2, group_norm_size=1, num_shared_experts=1, moe_shared_expert_intermediate_size=32
+    ),
+    "glm_moe_dsa": dict(
+        index_head_dim=16,
+        index_n_heads=2,
+        index_topk=8,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        moe_layer_freq=1,
+        rope_parameters={"rope_theta": 10000.0},
+    ),
+    "lille-130m": dict(block_size=512, n_kv_heads=2),
+    "longcat_flash": dict(
+        LONGCAT,
+        attention_method="MLA",
+        zero_expert_type="identity",
+    ),
+    "longcat_flash_ngram": dict(LONGCAT, ngram_vocab_size_ratio=2, emb_neighbor_num=2, emb_split_num=2),
+    "mellum": dict(
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_theta": 10000.0}, "full_attention": {"rope_theta": 10000.0}},
+    ),
+    "mimo_v2_flash": dict(
+        hybrid_layer_pattern=[1, 0],
+        moe_layer_freq=[0, 1],
+        add_swa_attention_sink_bias=True,
+        add_full_attention_sink_bias=False,
+        sliding_window_size=8,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        layernorm_epsilon=1e-5,
+        swa_rope_theta=10000.0,
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=16,
+        swa_v_head_dim=16,
+    ),
+    "spark2_5": dict(
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_theta": 10000.0}, "full_attention": {"rope_theta": 10000.0}},
+    ),
     "baichuan_m1": dict(sliding_window_layers=[0], conv_window=2),
 }
 
 # Recurrent families are in FAMILIES like the rest: decode/recurrent.py keeps the state per draft position
-# for gated delta (qwen3_5, qwen3_next, olmo_hybrid, ...), Mamba-2 (mamba2, nemotron_h, granitemoehybrid,
-# falcon_h1, plamo2), Mamba-1 (mamba, jamba), RG-LRU (recurrent_gemma), RWKV-7 (rwkv7) and
-# short-convolution (lfm2) layers.
+# for gated delta (qwen3_5, qwen3_next, olmo_hybrid, kimi_linear, ...), Mamba-2 (mamba2, nemotron_h,
+# granitemoehybrid, falcon_h1, plamo2), Mamba-1 (mamba, jamba), RG-LRU (recurrent_gemma), RWKV-7 (rwkv7),
+# gated linear attention (bailing_moe_linear, bailing_hybrid) and short-convolution (lfm2) layers.
 
 
 # Families refused in one line (an OmniDraftError naming what to do), with why.
 REFUSED = {
     "deepseek_v41": "its LayerCache layers cannot roll back rejected draft tokens",
     "baichuan_m1": "its key-convolution state and window caches (inside a CacheList) do not roll back",
+    "longcat_flash_ngram": "its n-gram embedding keeps the last tokens in a cache that does not roll back",
 }
 
 

@@ -1,7 +1,7 @@
 """Recurrent layers that roll back: the state after each position of a forward.
 
-Hybrid and recurrent models (Qwen3.5, Qwen3-Next, OLMo hybrid, LFM2, Mamba-1/2,
-Jamba, Nemotron-H, Granite 4, Falcon-H1, PLaMo 2, RecurrentGemma, RWKV-7) keep an
+Hybrid and recurrent models (Qwen3.5, Qwen3-Next, OLMo hybrid, Kimi Linear, LFM2, Mamba-1/2,
+Jamba, Nemotron-H, Granite 4, Falcon-H1, PLaMo 2, RecurrentGemma, RWKV-7, Bailing linear) keep an
 ArraysCache per recurrent layer: short-convolution or token-shift states (the last
 inputs) and a recurrent state. A verify forward over k draft tokens absorbs all of
 them, and a rejected token cannot be subtracted back out. So the same forward keeps
@@ -17,7 +17,9 @@ copied), and a rollback takes the one at the accepted length:
   accepted length is the same sum over the accepted positions only, computed on
   rollback from the inputs the scan was given (ssm_state); Jamba's scan likewise;
 - Mamba-1, RWKV-7 and RG-LRU states: their scans step per position (or output the
-  states, RG-LRU), each kept.
+  states, RG-LRU), each kept;
+- Bailing's gated linear attention: it returns the last state only; the one at the
+  accepted length is its recurrence over the accepted positions, run on rollback.
 
 mlx-lm's layers are used as they are: they read their cache (StepsCache, an
 ArraysCache that notes which of its slots was read last), call the convolution and
@@ -80,10 +82,11 @@ class StepsCache(ArraysCache):
 
     def __getitem__(self, idx):
         global _read
+        value = self.cache[idx]  # first: unpacking a cache (kimi_linear) reads past its end, IndexError
         if self.closed:
             self.records, self.closed = {}, False
         _read = (self, idx)
-        return self.cache[idx]
+        return value
 
     def record(self, idx: int, steps: Steps) -> None:
         """Keep what the layer's forward computed for slot idx (its convolution may run after advance)."""
@@ -192,8 +195,9 @@ class RowsStates(ArraysCache):
 
     def __getitem__(self, idx):
         global _read
+        value = self.value(idx)  # first, as StepsCache's
         _read = (self, idx)
-        return self.value(idx)
+        return value
 
     def value(self, idx: int):
         """The rows' values stacked (the same array each read: recurrences are matched by identity)."""
@@ -365,7 +369,35 @@ def _keeping_rnn_scan(scan):
     return keeping
 
 
-WRAPPERS = {"gated_delta_update": _keeping_gated_delta, "ssm_update": _keeping_ssm, "rnn_scan": _keeping_rnn_scan}
+def _keeping_gla(gla):
+    """Bailing's linear attention (recurrent_gla, heads before positions): it returns the last state
+    only; the state after m positions is the same recurrence over the first m, run on rollback."""
+    signature = inspect.signature(gla)
+
+    def keeping(*args, **kwargs):
+        y, last = gla(*args, **kwargs)
+        call = signature.bind(*args, **kwargs).arguments
+        if (to := _recorder(call.get("h"))) is not None and (n := call["q"].shape[2]) <= RECORD_MAX:
+
+            def at(m):
+                head = {a: call[a][:, :, :m] for a in ("q", "k", "v")}
+                if call.get("mask") is not None:
+                    head["mask"] = call["mask"][:, :m]
+                return gla(**{**call, **head})[1]
+
+            to[0].record(to[1], Steps(n, lambda m: last if m == n else at(m)))
+        return y, last
+
+    keeping.steps_wrapped = True
+    return keeping
+
+
+WRAPPERS = {
+    "gated_delta_update": _keeping_gated_delta,
+    "ssm_update": _keeping_ssm,
+    "rnn_scan": _keeping_rnn_scan,
+    "recurrent_gla": _keeping_gla,
+}
 
 
 def _advancing(block):
@@ -477,6 +509,7 @@ ADAPTERS = {
     ("recurrent_gemma", "RecurrentBlock"): _advancing,
     ("recurrent_gemma", "Conv1d"): _gemma_conv,
     ("jamba", "JambaMambaMixer"): _jamba_mixer,
+    ("bailing_moe_linear", "LinearAttention"): _advancing,
     ("rwkv7", "Rwkv7Layer"): _advancing,
     ("rwkv7", "TokenShift"): _token_shift,
     ("rwkv7", "Rwkv7TimeMixing"): _rwkv7_time_mixing,
