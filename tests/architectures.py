@@ -386,7 +386,7 @@ FAMILIES: dict[str, dict] = {
         attention_method="MLA",
         zero_expert_type="identity",
     ),
-    "longcat_flash_ngram": dict(LONGCAT, ngram_vocab_size_ratio=2, emb_neighbor_num=2, emb_split_num=2),
+    "longcat_flash_ngram": dict(LONGCAT, ngram_vocab_size_ratio=2, emb_neighbor_num=3, emb_split_num=2),
     "mellum": dict(
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_theta": 10000.0}, "full_attention": {"rope_theta": 10000.0}},
@@ -416,14 +416,14 @@ FAMILIES: dict[str, dict] = {
 # Recurrent families are in FAMILIES like the rest: decode/recurrent.py keeps the state per draft position
 # for gated delta (qwen3_5, qwen3_next, olmo_hybrid, kimi_linear, ...), Mamba-2 (mamba2, nemotron_h,
 # granitemoehybrid, falcon_h1, plamo2), Mamba-1 (mamba, jamba), RG-LRU (recurrent_gemma), RWKV-7 (rwkv7),
-# gated linear attention (bailing_moe_linear, bailing_hybrid) and short-convolution (lfm2) layers.
+# gated linear attention (bailing_moe_linear, bailing_hybrid), short-convolution (lfm2) layers and token
+# windows (longcat_flash_ngram).
 
 
 # Families refused in one line (an OmniDraftError naming what to do), with why.
 REFUSED = {
     "deepseek_v41": "its LayerCache layers cannot roll back rejected draft tokens",
     "baichuan_m1": "its key-convolution state and window caches (inside a CacheList) do not roll back",
-    "longcat_flash_ngram": "its n-gram embedding keeps the last tokens in a cache that does not roll back",
 }
 
 

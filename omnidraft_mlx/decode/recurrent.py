@@ -19,7 +19,8 @@ copied), and a rollback takes the one at the accepted length:
 - Mamba-1, RWKV-7 and RG-LRU states: their scans step per position (or output the
   states, RG-LRU), each kept;
 - Bailing's gated linear attention: it returns the last state only; the one at the
-  accepted length is its recurrence over the accepted positions, run on rollback.
+  accepted length is its recurrence over the accepted positions, run on rollback;
+- LongCat's n-gram embedding: its state is the last token ids, the window ending there.
 
 mlx-lm's layers are used as they are: they read their cache (StepsCache, an
 ArraysCache that notes which of its slots was read last), call the convolution and
@@ -503,6 +504,26 @@ def _jamba_mixer(mixer):
     return JambaMixer
 
 
+def _token_window(embedding):
+    """LongCat's n-gram embedding: its state is the last n - 1 token ids, the window ending at m."""
+
+    class TokenWindow(embedding):
+        def __call__(self, input_ids, cache=None):
+            if not isinstance(cache, StepsCache | RowsStates):
+                return super().__call__(input_ids, cache)
+            before = cache[0]
+            out = super().__call__(input_ids, cache)
+            n, keep = input_ids.shape[-1], self.n - 1
+            ids = input_ids.astype(mx.int64)
+            ids = ids if before is None else mx.concatenate([before, ids], axis=-1)
+            start = ids.shape[-1] - n
+            cache.record(0, Steps(n, lambda m: ids[..., max(0, start + m - keep) : start + m]))
+            cache.advance(n)  # the embedding's forward is done (it does not advance its cache)
+            return out
+
+    return TokenWindow
+
+
 # Blocks that need a small adapter (by module and class name), made once per class.
 ADAPTERS = {
     ("mamba", "MambaBlock"): _mamba1,
@@ -510,6 +531,7 @@ ADAPTERS = {
     ("recurrent_gemma", "Conv1d"): _gemma_conv,
     ("jamba", "JambaMambaMixer"): _jamba_mixer,
     ("bailing_moe_linear", "LinearAttention"): _advancing,
+    ("longcat_flash_ngram", "NgramEmbedding"): _token_window,
     ("rwkv7", "Rwkv7Layer"): _advancing,
     ("rwkv7", "TokenShift"): _token_shift,
     ("rwkv7", "Rwkv7TimeMixing"): _rwkv7_time_mixing,
@@ -529,9 +551,16 @@ def _adapter(m) -> type | None:
 
 def _supported(module) -> bool:
     """A layer module whose recurrence can keep its steps: gated delta, Mamba-1/2, RG-LRU, RWKV-7,
-    or a short convolution only."""
+    gated linear attention, a short convolution or a window of token ids only."""
     name = module.__name__.rsplit(".", 1)[-1]
-    return any(hasattr(module, f) for f in WRAPPERS) or name in ("lfm2", "lfm2_moe", "mamba", "jamba", "rwkv7")
+    return any(hasattr(module, f) for f in WRAPPERS) or name in (
+        "lfm2",
+        "lfm2_moe",
+        "mamba",
+        "jamba",
+        "rwkv7",
+        "longcat_flash_ngram",
+    )
 
 
 def prepare(model) -> bool:
