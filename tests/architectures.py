@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import math
 
 import mlx.core as mx
+import pytest
 
 VOCAB = 320  # the tiny tokenizers (tests/tiny_models.py) fit
 BASE = dict(
@@ -425,6 +427,13 @@ REFUSED = {
     "deepseek_v41": "its LayerCache layers cannot roll back rejected draft tokens",
     "baichuan_m1": "its key-convolution state and window caches (inside a CacheList) do not roll back",
 }
+
+
+def installed(names) -> list:
+    """The families as test parameters, those the installed mlx-lm lacks (an older version, e.g. the
+    lowest pyproject.toml allows) skipped with that reason."""
+    missing = pytest.mark.skip(reason="not in the installed mlx-lm (older than the family)")
+    return [n if importlib.util.find_spec(f"mlx_lm.models.{n}") else pytest.param(n, marks=missing) for n in names]
 
 
 def config(family: str) -> dict:

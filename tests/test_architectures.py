@@ -8,7 +8,7 @@ import functools
 
 import mlx.core as mx
 import pytest
-from architectures import FAMILIES, REFUSED, build
+from architectures import FAMILIES, REFUSED, build, installed
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from tiny_models import corpus, train_tokenizer, write_model
@@ -27,9 +27,9 @@ PROMPTS = ["def add_7(x):\n    return x + 7\n", "print(add_3(9))  # four\n", "x"
 TOKENS = 24
 
 
-def families() -> list[str]:
+def families() -> list:
     """Every family built here but the refused ones (test_a_refused_family_says_so_in_one_line)."""
-    return [f for f in FAMILIES if f not in REFUSED]
+    return installed(f for f in FAMILIES if f not in REFUSED)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_family_as_drafter_keeps_the_target_exact(family, llamas):
         assert alone(pair, text, settings(tree=True)) == plain(pair, text)
 
 
-@pytest.mark.parametrize("family", list(REFUSED))
+@pytest.mark.parametrize("family", installed(REFUSED))
 def test_a_refused_family_says_so_in_one_line(family, llamas):
     with pytest.raises(OmniDraftError) as refused:
         alone(same_vocab(family, llamas), PROMPTS[0], settings())
