@@ -202,7 +202,10 @@ FAMILIES: dict[str, dict] = {
     "olmoe": {},
     "phi": {},
     "phi3": {},
-    "phimoe": {},
+    "phimoe": dict(  # Phi-3.5-MoE's su-scaled rotary embedding (older mlx-lm requires it)
+        original_max_position_embeddings=256,
+        rope_scaling=dict(short_factor=[1.0] * 8, long_factor=[1.5] * 8, short_mscale=1.0, long_mscale=1.1),
+    ),
     "qwen2": {},
     "qwen2_moe": {},
     "qwen3": {},
