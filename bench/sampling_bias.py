@@ -40,6 +40,7 @@ import numpy as np
 from scipy.stats import chisquare
 
 from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats, decode_together, target_probs
+from omnidraft_mlx.decode.widths import verify_costs
 from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 
@@ -85,6 +86,7 @@ def sample_sequences(
         msgs = user_messages(text)
         return encode_prompt(pair.draft_tok, msgs, True), encode_prompt(pair.target_tok, msgs, True)
 
+    verify_costs(pair.target)  # as open_pair does: the scheduler keeps a branch by what its width costs
     counts, stats = Counter(), SpecStats()
     for seed in range(n):
         cfg = SpecConfig(

@@ -10,6 +10,7 @@ import pytest
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 from omnidraft_mlx.loading import load_model
+from omnidraft_mlx.models.pull import CATALOG_RESOLVER
 from omnidraft_mlx.pair import make_pair
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 
@@ -29,7 +30,7 @@ _models = {}
 
 def model(name):
     if name not in _models:
-        _models[name] = load_model(name)
+        _models[name] = load_model(name, CATALOG_RESOLVER)  # catalog names, pulled on first use
     return _models[name]
 
 
