@@ -4,6 +4,8 @@ same-vocabulary pair. Where batched verification and one-token decoding differ
 in the last float32 bits, the divergence must sit on a near-tie of the target's
 top-2 logits, shown by the gap; anything else fails."""
 
+import gc
+
 import mlx.core as mx
 import pytest
 
@@ -26,6 +28,16 @@ PROMPTS = [
 TIE_GAP = 0.05  # logits; fp32 batched-vs-single differences are ~1e-4..1e-2
 
 _models = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def free_models():
+    """The loaded models (the 1.5B alone is 7 GB in float32) are let go when this module ends, with
+    MLX's buffer cache: the server tests after it start their own, and a 24 GB machine holds not both."""
+    yield
+    _models.clear()
+    gc.collect()
+    mx.clear_cache()
 
 
 def model(name):
