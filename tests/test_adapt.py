@@ -151,11 +151,14 @@ def test_a_same_vocabulary_example_keeps_the_targets_own_tokens(tiny):
 def test_step_without_ngram_positions(tiny_dirs, tiny):
     dm, dt = load(str(tiny_dirs["draft"]))
     tm, tt = tiny["target"]
+    mx.random.seed(0)
     setup_trainable(dm, DistillConfig(lora_rank=4))
     pair = make_pair(dm, dt, tm, tt)
     ex = make_example(pair, [1], [1], list(tt.encode("    return x + 7\n", add_special_tokens=False)))
     assert len(ex.direct_draft) and not len(ex.ngram_pos)
-    first, second = Distiller(pair, DistillConfig(lora_rank=4, steps=2, lr=1e-2)).steps([ex])
+    # Adam's first step moves every LoRA B entry by +-lr (the sign of its gradient, some of them rounding
+    # noise): at 1e-2 that overshot on CI's CPU; at 1e-3 the loss fell for each of 150 seeds here.
+    first, second = Distiller(pair, DistillConfig(lora_rank=4, steps=2, lr=1e-3)).steps([ex])
     assert first.ngram == 0 and first.nll == 0 and np.isfinite(first.loss) and first.kl > 0
     assert second.loss < first.loss  # the second step reuses the target's distributions and still learns
 

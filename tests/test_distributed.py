@@ -19,6 +19,7 @@ from omnidraft_mlx.learn.distributed import shard
 from omnidraft_mlx.profile.store import load_profile
 
 LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
+OMNIDRAFT = str(Path(sys.executable).parent / "omnidraft")
 PROMPTS = [f"def add_{i}(x):\n    return x + {i}\n\nprint(add_{i}(" for i in range(40, 72)]
 
 
@@ -50,10 +51,10 @@ def free_ports(n: int) -> int:
 
 
 def adapt_cmd(corpus, tiny_dirs, ranks: int, *extra) -> list[str]:
+    # The installed console script, as a user launches it (`mlx.launch ... -- omnidraft adapt`): mlx 0.31's
+    # launcher runs any existing file it is given under python, so the interpreter itself cannot be the command.
     cmd = [
-        sys.executable,
-        "-m",
-        "omnidraft_mlx.cli.main",
+        OMNIDRAFT,
         "adapt",
         str(corpus),
         "--draft",
