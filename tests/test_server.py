@@ -12,6 +12,7 @@ from openai import OpenAI
 
 from omnidraft_mlx.bench.load_test import ServerProcess
 from omnidraft_mlx.bench.load_test import main as load_test
+from omnidraft_mlx.bench.soak import main as soak
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.prompts import encode_prompt
 
@@ -282,6 +283,30 @@ def test_kill_9_while_serving_and_saving_leaves_a_profile_that_loads(tiny_dirs, 
         assert srv.health()["ngrams"] == len(profile.ngrams)
     finally:
         assert srv.stop() == 0, srv.log.read_text()
+
+
+def test_the_soak_runs_on_the_tiny_pair(tiny_dirs, tmp_path):
+    """A short soak: its checks that a short run can meet (memory after 5 minutes, drafter updates
+    and pauses need the long one), each judged."""
+    argv = ["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"])]
+    argv += ["--minutes", "0.4", "--clients", "6", "--think", "0.3", "--max-tokens", "16", "--out", str(tmp_path)]
+    try:
+        soak(argv)
+    except SystemExit:
+        pass
+    result = json.loads((tmp_path / "soak.json").read_text())
+    checks = result["checks"]
+    for name in (
+        "no 5xx",
+        "no hangs or lost valid requests",
+        "greedy replies equal the request alone",
+        "bad requests answered 4xx",
+        "SIGTERM: exit 0 within 10 s",
+        "restart loads the saved n-grams",
+    ):
+        assert checks[name], (name, result["statuses"])
+    assert result["requests"] >= 10 and result["distinct_greedy_requests"] > 0
+    assert (tmp_path / "soak.png").stat().st_size > 0
 
 
 def test_the_load_test_runs_on_the_tiny_pair(tiny_dirs, tmp_path):

@@ -4,8 +4,9 @@ Up to --batch requests are active at once and progress a round at a time: each
 plans its own draft (its scheduler and guard choose drafter, lookup or none),
 one target forward verifies every draft (decode/batch.py), and each keeps what it
 accepted and rolls its own caches back. A new request is admitted between rounds
-(its prefill then: a long prompt's a chunk of PREFILL_CHUNK tokens per model before each
-round, so the other streams go on meanwhile), so it starts after a round, not after the queue; beyond
+(its prefill then: at most PREFILL_CHUNK prompt tokens per model between two rounds, new
+requests together, a long prompt's fed a chunk per round, so the other streams go on meanwhile),
+so it starts after a round or a few, not after the queue; beyond
 --batch, or when its caches at full length would not fit in --cache-bytes
 beside the active requests' (the prompt cache gives way to them), requests
 wait in order. Every request uses the server's one scheduler, so what it
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -49,6 +51,10 @@ class Engine:
         self.prefilling: Prefill | None = None  # a long prompt fed a chunk per round (one at a time)
         self.served = self.cancelled = self.failed = 0
         self.most_active = 0  # the most requests decoded together so far
+        # Stalls, the longest so far: between two rounds of the active requests (another's prefill chunk,
+        # admissions), and a request's wait on learning (a drafter update's slice or a save) before admission.
+        self.longest_round_pause_s = self.longest_learning_wait_s = 0.0
+        self._round_ended: float | None = None  # when the last round ended, while requests stay active
         self.decoder: Decoder | None = None  # set by load()
         self.learning: Learning | None = None
 
@@ -112,24 +118,31 @@ class Engine:
                     self._drop(job, e)
 
     def _step(self) -> None:
+        # Prompt tokens fed between two rounds, all new requests together: a burst of requests
+        # waits a round or two to start, and the streams under way do not stall for all of them.
+        budget = PREFILL_CHUNK
         if not self.active and self.prefilling is None:
             try:
                 job = self.jobs.get(timeout=IDLE_S if self.learning.pending else 1.0)
             except queue.Empty:
                 if self.learning.pending:
                     self.learning.idle(busy=lambda: not self.jobs.empty())
+                    if not self.jobs.empty():
+                        waited = time.monotonic() - self.jobs.queue[0].arrived
+                        self.longest_learning_wait_s = max(self.longest_learning_wait_s, waited)
                 return
-            self._admit(job)
+            budget -= self._admit(job, budget)
         # Only this thread takes jobs out: the queue's head stays while it is looked at.
         while (
             self.prefilling is None
+            and budget > 0
             and len(self.active) < self.cfg.batch
             and not self.jobs.empty()
             and self._fits(self.jobs.queue[0])
         ):
-            self._admit(self.jobs.get_nowait())
-        if self.prefilling is not None:
-            self._prefill()
+            budget -= self._admit(self.jobs.get_nowait(), budget)
+        if self.prefilling is not None and budget > 0:
+            self._prefill(budget)
         if self.active:
             self._round()
 
@@ -159,24 +172,27 @@ class Engine:
             <= self.cfg.cache_bytes
         )
 
-    def _admit(self, job: Job) -> None:
-        """Prefill a queued job and make it active, or (a long prompt) start prefilling it a chunk
-        per round; a cancelled one is dropped."""
+    def _admit(self, job: Job, budget: int) -> int:
+        """Prefill a queued job and make it active, or (more prompt than `budget` tokens) start
+        prefilling it a chunk per round; a cancelled one is dropped. The prompt tokens it fed."""
+        fed = 0
         if job.cancelled.is_set():
             self.cancelled += 1
-            return
+            return fed
         try:
             prefill = self.decoder.begin(job)
-            if prefill.left > PREFILL_CHUNK:
+            if prefill.left > budget:
                 self.prefilling = prefill
             else:
+                fed = prefill.left
                 self.active.append(self.decoder.start(job, self.decoder.scheduler, prefill))
         except Exception as e:
             self._fail(job, e)
         self._make_room()
+        return fed
 
-    def _prefill(self) -> None:
-        """One chunk of the prefilling job's prompt; its last, and the job is active."""
+    def _prefill(self, most: int) -> None:
+        """A chunk (up to `most` tokens) of the prefilling job's prompt; its last, and the job is active."""
         prefill, self.prefilling = self.prefilling, None
         job = prefill.job
         if job.cancelled.is_set():
@@ -185,8 +201,8 @@ class Engine:
             return
         try:
             failpoint("prefill", job.label)
-            if prefill.left > PREFILL_CHUNK:
-                prefill.feed(self.pair, PREFILL_CHUNK)
+            if prefill.left > most:
+                prefill.feed(self.pair, most)
                 self.prefilling = prefill
             else:
                 self.active.append(self.decoder.start(job, self.decoder.scheduler, prefill))
@@ -201,6 +217,9 @@ class Engine:
 
     def _round(self) -> None:
         """One round of every active job: plan the drafts, verify them in one target forward, take."""
+        if self._round_ended is not None:
+            self.longest_round_pause_s = max(self.longest_round_pause_s, time.monotonic() - self._round_ended)
+        self._round_ended = None
         planned = []
         for running in list(self.active):
             if running.job.cancelled.is_set():
@@ -214,17 +233,21 @@ class Engine:
         if not planned:
             return
         self.most_active = max(self.most_active, len(planned))
+        over = []
         for (running, _), verified in zip(planned, self._verify(planned)):
             if isinstance(verified, Exception):
                 self._drop(running, verified)
                 continue
             try:
-                over = running.take(*verified, self.decoder.token_bytes)
+                if running.take(*verified, self.decoder.token_bytes):
+                    over.append(running)
             except Exception as e:
                 self._drop(running, e)
-                continue
-            if over:
-                self._finish(running)
+        self._round_ended = time.monotonic()  # the replies that ended finish in the pause before the next round
+        for running in over:
+            self._finish(running)
+        if not self.active:
+            self._round_ended = None
 
     def _verify(self, planned: list) -> list:
         """Each planned job's (logits, seconds) from one target forward. If that forward fails (the

@@ -52,6 +52,7 @@ class Job:
     logprobs: int | None = None  # alternatives per token; None: no log-probabilities
     cancelled: threading.Event = field(default_factory=threading.Event)
     label: str = ""  # the request's messages, for a failpoint aimed at it (set only while one is armed)
+    arrived: float = field(default_factory=time.monotonic)
 
     def emit(self, kind: str, payload) -> None:
         try:

@@ -124,6 +124,9 @@ def make_app(engine) -> FastAPI:
             "cancelled": engine.cancelled,
             "failed": engine.failed,
             "profile_saves": engine.learning.saves,
+            "drafter_updates": engine.learning.learner.updates if engine.learning.learner else None,
+            "longest_round_pause_s": round(engine.longest_round_pause_s, 3),
+            "longest_learning_wait_s": round(engine.longest_learning_wait_s, 3),
             "ngrams": len(engine.pair.ngrams),
             "prompt_cache_bytes": engine.decoder.prompt_cache.nbytes,
         }
