@@ -138,7 +138,7 @@ def send(client, kind: str, i: int, prompts: Prompts, model: str, max_tokens: in
         return
     messages = prompts.messages(kind, i)
     if kind == "oversized":
-        messages = [{"role": "user", "content": "Summarize this: " + " ".join(prompts.chat) * 15}]
+        messages = [{"role": "user", "content": "Summarize this: " + " ".join(prompts.chat) * 100}]
     args = dict(model="no-such-model" if kind == "wrong-model" else model, messages=messages, max_tokens=max_tokens)
     if kind == "sampled":
         args.update(temperature=0.8, top_p=0.95)

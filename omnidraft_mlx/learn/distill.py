@@ -227,8 +227,9 @@ class Distiller:
 
     def step_slices(self, batch: list[Example], piece: int | None = None) -> Iterator[StepStats | None]:
         """steps() a slice at a time: each step's gradient summed over pieces of `piece` examples
-        (None: the whole batch in one), None yielded after each piece but a step's last and the
-        step's StepStats after it: a server answers requests between two slices. Each piece's
+        (None: the whole batch in one), None yielded after each piece's target forward (the first
+        step's), after each piece but a step's last, and the step's StepStats after it: a server
+        answers requests between two slices. Each piece's
         loss is divided by the whole batch's positions, so the sum is the batch's gradient."""
         import time
 
@@ -257,6 +258,9 @@ class Distiller:
             for i, part in enumerate(pieces):
                 if i == len(inputs):
                     inputs.append(self._inputs(part) if part else None)
+                    if part:  # the target's forward is a slice of its own: each stays short
+                        mx.eval(inputs[i])
+                        yield None
                 if part:
                     (_, part_kl, part_nll), part_grads = self.grad_fn(
                         self.pair.draft, *inputs[i], self.draft_cols, self.cfg.lam, share

@@ -4,9 +4,9 @@ Up to --batch requests are active at once and progress a round at a time: each
 plans its own draft (its scheduler and guard choose drafter, lookup or none),
 one target forward verifies every draft (decode/batch.py), and each keeps what it
 accepted and rolls its own caches back. A new request is admitted between rounds
-(its prefill then: at most PREFILL_CHUNK prompt tokens per model between two rounds, new
-requests together, a long prompt's fed a chunk per round, so the other streams go on meanwhile),
-so it starts after a round or a few, not after the queue; beyond
+(its prefill then: between two rounds of the requests under way, new requests together are fed
+what feeds in about PAUSE_S, a long prompt a chunk per round, so the other streams go on
+meanwhile), so it starts after a round or a few, not after the queue; beyond
 --batch, or when its caches at full length would not fit in --cache-bytes
 beside the active requests' (the prompt cache gives way to them), requests
 wait in order. Every request uses the server's one scheduler, so what it
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omnidraft.serve")
 IDLE_S = 0.5  # queue empty this long: save what was learned, run a due drafter update
+PAUSE_S = 0.5  # prompt feeding between two rounds of the requests under way aims at this long
+MIN_CHUNK = 32  # prompt tokens fed between two rounds at least (a first guess, before a rate is measured)
+SLOW_PAUSE_S = 2.0  # a pause between two rounds this long is logged, with what took it
 
 
 class Engine:
@@ -55,6 +58,7 @@ class Engine:
         # admissions), and a request's wait on learning (a drafter update's slice or a save) before admission.
         self.longest_round_pause_s = self.longest_learning_wait_s = 0.0
         self._round_ended: float | None = None  # when the last round ended, while requests stay active
+        self.prefill_rate: float | None = None  # prompt tokens fed per second between rounds (a running mean)
         self.decoder: Decoder | None = None  # set by load()
         self.learning: Learning | None = None
 
@@ -118,9 +122,7 @@ class Engine:
                     self._drop(job, e)
 
     def _step(self) -> None:
-        # Prompt tokens fed between two rounds, all new requests together: a burst of requests
-        # waits a round or two to start, and the streams under way do not stall for all of them.
-        budget = PREFILL_CHUNK
+        job = None
         if not self.active and self.prefilling is None:
             try:
                 job = self.jobs.get(timeout=IDLE_S if self.learning.pending else 1.0)
@@ -131,20 +133,36 @@ class Engine:
                         waited = time.monotonic() - self.jobs.queue[0].arrived
                         self.longest_learning_wait_s = max(self.longest_learning_wait_s, waited)
                 return
-            budget -= self._admit(job, budget)
+        budget, fed, start = self._prefill_budget(), 0, time.monotonic()
+        if job is not None:
+            fed += self._admit(job, budget)
         # Only this thread takes jobs out: the queue's head stays while it is looked at.
         while (
             self.prefilling is None
-            and budget > 0
+            and fed < budget
             and len(self.active) < self.cfg.batch
             and not self.jobs.empty()
             and self._fits(self.jobs.queue[0])
         ):
-            budget -= self._admit(self.jobs.get_nowait(), budget)
-        if self.prefilling is not None and budget > 0:
-            self._prefill(budget)
+            fed += self._admit(self.jobs.get_nowait(), budget - fed)
+        if self.prefilling is not None and fed < budget:
+            fed += self._prefill(budget - fed)
+        if fed:
+            seconds = time.monotonic() - start
+            rate = fed / max(seconds, 1e-6)
+            self.prefill_rate = rate if self.prefill_rate is None else (self.prefill_rate + rate) / 2
+            if self.active and seconds > SLOW_PAUSE_S:
+                log.warning("%.1fs between two rounds feeding %d prompt tokens", seconds, fed)
         if self.active:
             self._round()
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens to feed before the next round, new requests together: with requests under way,
+        what feeds in about PAUSE_S at the rate measured so far (so a burst of new requests or a long
+        prompt waits a round or more, and the streams under way do not stall for it); else a whole chunk."""
+        if not self.active or self.prefill_rate is None:
+            return PREFILL_CHUNK if not self.active else MIN_CHUNK
+        return int(min(PREFILL_CHUNK, max(MIN_CHUNK, self.prefill_rate * PAUSE_S)))
 
     def shutdown(self) -> None:
         """The running and the queued requests get an error, not silence; then save what was learned."""
@@ -191,16 +209,18 @@ class Engine:
         self._make_room()
         return fed
 
-    def _prefill(self, most: int) -> None:
-        """A chunk (up to `most` tokens) of the prefilling job's prompt; its last, and the job is active."""
+    def _prefill(self, most: int) -> int:
+        """A chunk (up to `most` tokens) of the prefilling job's prompt; its last, and the job is
+        active. The prompt tokens it fed."""
         prefill, self.prefilling = self.prefilling, None
-        job = prefill.job
+        job, fed = prefill.job, 0
         if job.cancelled.is_set():
             self.decoder.prompt_cache.store(*prefill.slots)  # what it fed is a prefix worth keeping
             self.cancelled += 1
-            return
+            return fed
         try:
             failpoint("prefill", job.label)
+            fed = min(most, prefill.left)
             if prefill.left > most:
                 prefill.feed(self.pair, most)
                 self.prefilling = prefill
@@ -209,6 +229,7 @@ class Engine:
         except Exception as e:  # its caches are not kept
             self._fail(job, e)
         self._make_room()
+        return fed
 
     def _make_room(self) -> None:
         """The prompt cache keeps what the active (and prefilling) requests' caches leave of the budget."""
@@ -246,6 +267,8 @@ class Engine:
         self._round_ended = time.monotonic()  # the replies that ended finish in the pause before the next round
         for running in over:
             self._finish(running)
+        if over and (seconds := time.monotonic() - self._round_ended) > SLOW_PAUSE_S:
+            log.warning("%.1fs between two rounds finishing %d replies", seconds, len(over))
         if not self.active:
             self._round_ended = None
 

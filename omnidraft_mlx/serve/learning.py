@@ -1,7 +1,8 @@
 """What `omnidraft serve` learns from its replies, and saving it into the pair's profile.
 
 The n-gram cache and the acceptance head learn as the pair decodes; here each
-reply is also queued for the drafter's next update (as `omnidraft chat` does).
+reply is also queued for the drafter's next update (as `omnidraft chat` does; the newest
+--adapt-every replies: under load the older ones go unlearned, and updates stay short).
 The engine calls idle() when its queue has been empty a moment: a due drafter
 update runs then, a slice at a time (one example's gradient: OnlineLearner.update_slices),
 and pauses as soon as a request arrives (the engine serves it, and the update goes on
@@ -66,6 +67,8 @@ class Learning:
             self.learner.add(
                 make_example(self.pair, draft_ids[-tail:], target_ids[-tail:], reply, self.learner.cfg.max_len)
             )
+            if self.updating is None:  # an update learns from the newest --adapt-every replies: under load
+                del self.learner.buffer[: -self.learner.interval]  # it stays short and the buffer bounded
 
     def idle(self, busy: Callable[[], bool] = lambda: False) -> None:
         """Between requests: a due drafter update, slice after slice until it ends or busy()
