@@ -2,8 +2,8 @@
 
     python -m omnidraft_mlx.bench.first_run --prompts 10 --out bench/results/first-run
 
-For each of --prompts prompts of the write task (held out; the README's own prompt is one of
-this kind), three processes in turn, each `omnidraft generate` with its defaults and nothing
+For the README's own prompt and the write task's (held out: prompts of its kind), --prompts in
+all, three processes in turn, each `omnidraft generate` with its defaults and nothing
 else on the CPU: the target decoding alone (`--model TARGET`); the pair on a new machine (a
 scratch OMNIDRAFT_HOME holding only the models: no verification costs, weight digests or profile
 yet, all made during this run); and the pair again on that home (warm). Each is timed from its
@@ -31,6 +31,7 @@ from omnidraft_mlx.paths import models_dir
 from omnidraft_mlx.profile.atomic import atomic_write_text
 
 RUNS = ("plain", "new machine", "warm")
+README_PROMPT = "Write a Python function that checks whether a number is prime."  # the README's first command
 
 
 def timed(argv: list[str], env: dict) -> dict:
@@ -95,7 +96,8 @@ def main(argv=None) -> None:
     omnidraft = [sys.executable, "-m", "omnidraft_mlx.cli.main", "generate"]
     pair = ["--draft", args.draft, "--target", args.target]
     rows = []
-    for i, prompt in enumerate(p.text for p in load_task("write", "heldout")[: args.prompts]):
+    prompts = [README_PROMPT, *(p.text for p in load_task("write", "heldout"))][: args.prompts]
+    for i, prompt in enumerate(prompts):
         home = Path(tempfile.mkdtemp(prefix="omnidraft-new-machine-"))
         (home / "models").symlink_to(models_dir().resolve())  # the models only, as if just pulled
         try:
@@ -122,7 +124,12 @@ def main(argv=None) -> None:
 
     result = {
         "command": " ".join(["python -m omnidraft_mlx.bench.first_run", *(argv if argv is not None else sys.argv[1:])]),
-        "config": {"draft": args.draft, "target": args.target, "task": "write (heldout)", "prompts": len(rows)},
+        "config": {
+            "draft": args.draft,
+            "target": args.target,
+            "task": "the README's prompt, then write (heldout)",
+            "prompts": len(rows),
+        },
         "environment": environment_base(),
         "speedup_end_to_end_new_machine": spread("plain_over_new"),
         "first_byte_new_over_warm": spread("first_byte_new_over_warm"),

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("omnidraft.serve")
 QUIET_S = 2.0  # no reply served for this long: save what was learned
 SAVE_EVERY_S = 10.0  # while replies keep coming, a save at most this often
+SLOW_S = 1.0  # a save or an update slice this long is logged: a request arriving meanwhile waits for it
 
 
 @dataclass
@@ -71,31 +72,36 @@ class Learning:
                 del self.learner.buffer[: -self.learner.interval]  # it stays short and the buffer bounded
 
     def idle(self, busy: Callable[[], bool] = lambda: False) -> None:
-        """Between requests: a due drafter update, slice after slice until it ends or busy()
-        (a request waits: the update pauses, to go on at the next idle()); then save the
-        n-grams and the acceptance head, if no reply came for QUIET_S or none was saved
-        for SAVE_EVERY_S."""
-        if self.updating is None and self.update_due:
-            self.updating = self.learner.update_slices(piece=1)
-            log.info("drafter update started (%d replies)", len(self.learner.buffer))
-        if self.updating is not None:
-            try:
-                while not busy():
-                    failpoint("update")
-                    next(self.updating)
-                log.info("drafter update paused: a request arrived")
-                return
-            except StopIteration as done:  # saved the adapter into the profile
-                report = done.value
-                log.info("drafter update %d: loss %.3f, %.1fs", report.update, report.loss, report.seconds)
-            except Exception:
-                log.error("the drafter update failed; drafter learning stops:\n%s", traceback.format_exc())
-                self.learner = None
-            self.updating = None
-            self.prompt_cache.drafter_changed()  # new drafter weights: its cached prefixes are stale
+        """Between requests: save the n-grams and the acceptance head, if no reply came for QUIET_S
+        or none was saved for SAVE_EVERY_S (first: an update that keeps pausing must not hold them
+        back); then a due drafter update, slice after slice until it ends or busy() (a request
+        waits: the update pauses, to go on at the next idle())."""
         now = time.monotonic()
         if now - self.last_reply >= QUIET_S or now - self.last_save >= SAVE_EVERY_S:
             self.save()
+        if self.updating is None and self.update_due and not busy():
+            del self.learner.buffer[: -self.learner.interval]  # the newest replies: the update stays short
+            self.updating = self.learner.update_slices(piece=1)
+            log.info("drafter update started (%d replies)", len(self.learner.buffer))
+        if self.updating is None:
+            return
+        try:
+            while not busy():
+                failpoint("update")
+                start = time.monotonic()
+                next(self.updating)
+                if (seconds := time.monotonic() - start) > SLOW_S:
+                    log.warning("a slice of the drafter update took %.1fs (a request arriving waits for it)", seconds)
+            log.info("drafter update paused: a request arrived")
+            return
+        except StopIteration as done:  # saved the adapter into the profile
+            report = done.value
+            log.info("drafter update %d: loss %.3f, %.1fs", report.update, report.loss, report.seconds)
+        except Exception:
+            log.error("the drafter update failed; drafter learning stops:\n%s", traceback.format_exc())
+            self.learner = None
+        self.updating = None
+        self.prompt_cache.drafter_changed()  # new drafter weights: its cached prefixes are stale
 
     def save(self) -> None:
         """The n-grams and the acceptance head into the profile (under its lock, merged
@@ -106,6 +112,8 @@ class Learning:
         try:
             self.profile.save()
             self.saves += 1
+            if (seconds := time.monotonic() - self.last_save) > SLOW_S:
+                log.warning("saving the profile took %.1fs", seconds)
         except (OSError, OmniDraftError) as e:
             log.error("could not save the profile: %s", e)
         except Exception:  # the previous save stays on disk; the server goes on, and saves again after a reply
