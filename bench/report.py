@@ -239,3 +239,12 @@ def write_results(result: dict, out: Path, console) -> dict[str, Path]:
     console.print(t) if console.is_terminal else console.out(text, highlight=False)
     files.update(write_plots(result, out))
     return files
+
+
+def print_checks(checks: dict[str, bool], summary: str, path: Path, what: str) -> None:
+    """A bench's checks, one line each, then its summary; exits non-zero when one failed."""
+    for name, ok in checks.items():
+        print(f"{'ok  ' if ok else 'FAIL'} {name}")
+    print(f"{summary} -> {path}")
+    if not all(checks.values()):
+        raise SystemExit(f"{what} checks failed: see {path}")

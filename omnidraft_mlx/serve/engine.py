@@ -160,8 +160,10 @@ class Engine:
         """Prompt tokens to feed before the next round, new requests together: with requests under way,
         what feeds in about PAUSE_S at the rate measured so far (so a burst of new requests or a long
         prompt waits a round or more, and the streams under way do not stall for it); else a whole chunk."""
-        if not self.active or self.prefill_rate is None:
-            return PREFILL_CHUNK if not self.active else MIN_CHUNK
+        if not self.active:
+            return PREFILL_CHUNK
+        if self.prefill_rate is None:
+            return MIN_CHUNK
         return int(min(PREFILL_CHUNK, max(MIN_CHUNK, self.prefill_rate * PAUSE_S)))
 
     def shutdown(self) -> None:
