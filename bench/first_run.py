@@ -40,7 +40,7 @@ def timed(argv: list[str], env: dict) -> dict:
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1", **env}
     )
-    first = proc.stdout.read(1)
+    first = os.read(proc.stdout.fileno(), 1)  # unbuffered: communicate() reads the pipe itself, past any buffer
     first_s = time.perf_counter() - start
     rest, err = proc.communicate()
     total_s = time.perf_counter() - start
