@@ -15,9 +15,10 @@ sub-agents, goals, apps, plugins, images) and its context window as the pair's, 
 tools Bash, Read, Write, Edit: their prompts must fit the shorter context of the two models
 (SmolLM2's 8,192 tokens in the default pairs). After the server has stopped (nothing else on the
 CPU), the target alone decodes every answered turn again, the same prompt (rendered as the
-server renders it) for as many tokens, for each turn's speedup (tokens per second over plain
-decoding's) and plain prefill time against the server's time to first token (its prompt cache
-holds the agent's long system prompt after the first turn).
+server renders it) for its first --plain-tokens tokens, for each turn's speedup (tokens per second
+over plain decoding's), and prefills each agent's first prompt whole: plain decoding's time to first
+token on every turn, against the server's (its prompt cache holds the agent's long system prompt
+after the first turn).
 Writes agents_cli.json and README.md under --out: per task the prompt, the tool calls (commands),
 the files written, whether the check passed (the model's skill, reported as it is), the agent's
 exit status and the tail of its output; per agent every request's status (any 4xx/5xx is a
@@ -388,13 +389,22 @@ def prompt_ids(turn: dict, tok) -> list[int] | None:
     return encode(pair, chat_messages(chat), False, plan_tools(chat, tok))[1]
 
 
-def replay_plain(target: str, turns: list[dict]) -> None:
-    """Each answered turn decoded again by the target alone, for as many tokens: turn["plain"]."""
+def replay_plain(target: str, turns: list[dict], most_tokens: int) -> None:
+    """Each answered turn decoded again by the target alone (mlx-lm's generate_step), its first
+    `most_tokens` tokens at most: turn["plain"], whose tokens/s is the turn's baseline (plain
+    decoding's rate does not depend on what it writes; replaying whole turns of the 1.5B would take
+    as long as the agents did again). Each agent's first turn is prefilled whole: plain decoding's
+    time to first token, which every later turn pays as well (it keeps no prompt cache). Later turns
+    reuse the KV cache of the prompt before, so the replay does not prefill the agent's long system
+    prompt again."""
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
     from omnidraft_mlx.decode.plain import PlainStats, plain_generate
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.models.pull import CATALOG_RESOLVER
 
     model, tok = load_model(target, CATALOG_RESOLVER)
+    cache, held, agent = None, [], None  # the KV cache of the turn before, and the tokens it holds
     for turn in turns:
         usage = turn.get("usage") or {}
         if turn["status"] != 200 or not usage.get("speculative") or (usage.get("completion_tokens") or 0) < 2:
@@ -402,11 +412,27 @@ def replay_plain(target: str, turns: list[dict]) -> None:
         ids = prompt_ids(turn, tok)
         if ids is None:
             continue
+        if turn["agent"] != agent:
+            cache, held, agent = make_prompt_cache(model), [], turn["agent"]
+        common = 0
+        while common < min(len(held), len(ids) - 1) and held[common] == ids[common]:
+            common += 1
+        trim_prompt_cache(cache, cache[0].offset - common)
         stats = PlainStats()
-        for _ in plain_generate(model, tok, ids, stats, max_tokens=usage["completion_tokens"]):
-            pass
+        out = list(
+            plain_generate(
+                model,
+                tok,
+                ids[common:],
+                stats,
+                max_tokens=min(most_tokens, usage["completion_tokens"]),
+                prompt_cache=cache,
+            )
+        )
+        held = (ids + out)[: cache[0].offset]
         turn["plain"] = {
             "prompt_tokens": len(ids),
+            "cached_tokens": common,
             "completion_tokens": stats.emitted,
             "prefill_s": round(stats.prefill_s, 3),
             "tokens_per_s": round(stats.tokens_per_s, 2),
@@ -420,14 +446,17 @@ def summary(turns: list[dict]) -> dict:
     timed = [t for t in answered if t.get("plain") and t["usage"]["speculative"]["tokens_per_s"] > 0]
     tokens = sum(t["usage"]["completion_tokens"] for t in timed)
     spec_s = sum(t["usage"]["completion_tokens"] / t["usage"]["speculative"]["tokens_per_s"] for t in timed)
-    plain_s = sum(
-        t["plain"]["completion_tokens"] / t["plain"]["tokens_per_s"] for t in timed if t["plain"]["tokens_per_s"]
+    plain_s = sum(  # each turn's tokens at plain decoding's rate for that turn
+        t["usage"]["completion_tokens"] / t["plain"]["tokens_per_s"] for t in timed if t["plain"]["tokens_per_s"]
     )
     firsts, laters, seen = [], [], set()
     for t in answered:
         key = t.get("task")
         (laters if key in seen else firsts).append(t)
         seen.add(key)
+
+    def prefilled_whole(group):
+        return [t["plain"]["prefill_s"] for t in group if t.get("plain") and not t["plain"]["cached_tokens"]]
 
     def ttft(group):
         values = [t["usage"]["speculative"]["time_to_first_token_s"] for t in group]
@@ -440,11 +469,7 @@ def summary(turns: list[dict]) -> dict:
             "median_prompt_tokens": statistics.median([t["usage"]["prompt_tokens"] or 0 for t in group])
             if group
             else None,
-            "median_plain_prefill_s": round(
-                statistics.median([t["plain"]["prefill_s"] for t in group if t.get("plain")]), 3
-            )
-            if any(t.get("plain") for t in group)
-            else None,
+            "median_plain_prefill_s": round(statistics.median(whole), 3) if (whole := prefilled_whole(group)) else None,
         }
 
     speculative = [t["usage"]["speculative"] for t in answered]
@@ -455,6 +480,7 @@ def summary(turns: list[dict]) -> dict:
         "answered_turns": len(answered),
         "speedup": round(plain_s / spec_s, 3) if spec_s and plain_s else None,
         "speedup_turns": len(timed),
+        "plain_prefill_s": round(statistics.median(whole), 3) if (whole := prefilled_whole(answered)) else None,
         "completion_tokens": tokens,
         "acceptance": round(
             sum(s["accepted"] for s in speculative) / max(sum(s["proposed"] for s in speculative), 1), 4
@@ -485,9 +511,9 @@ def readme(result: dict) -> str:
             f"| {agent} ({run['version']}) | {solved} / {len(run['tasks'])} | {s['requests']} | "
             f"{s['protocol_errors']} | "
             f"{s['speedup']}x over {s['speedup_turns']} turns | {first['median_s']} s "
-            f"(plain prefill {first['median_plain_prefill_s']} s) | {later['median_s']} s "
+            f"(plain prefill {s['plain_prefill_s']} s) | {later['median_s']} s "
             f"({later['median_cached_tokens']} of {later['median_prompt_tokens']} prompt tokens cached; "
-            f"plain prefill {later['median_plain_prefill_s']} s) |"
+            "plain decoding prefills the whole prompt again) |"
         )
     lines += ["", "## Tasks", ""]
     for agent, run in result["agents"].items():
@@ -524,6 +550,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--task-timeout-s", type=float, default=900)
     p.add_argument("--profile", action="store_true", help="serve with the pair's profile (default: --no-profile)")
     p.add_argument("--no-plain", action="store_true", help="skip the plain replay (no speedups)")
+    p.add_argument("--plain-tokens", type=int, default=64, help="replayed plainly per turn, for its rate")
     p.add_argument("--codex", default=shutil.which("codex"))
     p.add_argument("--claude", default=shutil.which("claude"))
     p.add_argument("--out", type=Path, required=True)
@@ -537,7 +564,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{agent} not found: npm install -g @openai/codex @anthropic-ai/claude-code, or --{agent}"
             )
     args.out.mkdir(parents=True, exist_ok=True)
-    work = args.out / "work"  # the scratch repositories and the agents' homes (not results)
+    # The scratch repositories and the agents' homes, absolute: the agents run inside the repositories.
+    work = args.out.resolve() / "work"
     key = secrets.token_hex(8)
     serve_args = ["--api-key", key, "--max-tokens", str(args.max_tokens)] + ([] if args.profile else ["--no-profile"])
     server = ServerProcess(args.draft, args.target, args.out / "server.log", *serve_args)
@@ -551,15 +579,17 @@ def main(argv: list[str] | None = None) -> None:
                 tasks.append(run_task(agent, exe, task, args, recorder, work, key))
                 print(
                     f"{agent} {task.name}: solved={tasks[-1]['solved']} requests={tasks[-1]['requests']} "
-                    f"errors={len(tasks[-1]['protocol_errors'])}",
+                    f"errors={len(tasks[-1]['protocol_errors'])} exit={tasks[-1]['exit_code']}",
                     flush=True,
                 )
+                if not tasks[-1]["requests"]:  # it never reached the server: say why, as it said
+                    print(tasks[-1]["output_tail"], flush=True)
             runs[agent] = {"version": version(exe), "tasks": tasks}
     finally:
         recorder.stop()
         code = server.stop()
     if not args.no_plain:
-        replay_plain(args.target, recorder.turns)
+        replay_plain(args.target, recorder.turns, args.plain_tokens)
     for agent, run in runs.items():
         run["turns"] = [{k: v for k, v in t.items() if k != "_body"} for t in recorder.turns if t.get("agent") == agent]
         run["summary"] = summary(run["turns"])
