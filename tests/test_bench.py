@@ -388,3 +388,21 @@ def test_forward_cost_mode(tiny_dirs, tmp_path):
         assert m["decode_tokens"] > 1 and m["decode_tokens_per_s"] > 0
         assert 0 < m["graph_build_ms"] < 1.5 * m["forward_ms"]["1"]  # building is part of a forward
     assert result["environment"]["blas"]
+
+
+def test_first_run_times_a_new_machine_against_plain_and_warm(tiny_dirs, tmp_path):
+    """The first-run bench on the tiny pair: each prompt decoded plainly, on a new machine and warm,
+    the same text from all three; its checks judged (timings on tiny models say nothing)."""
+    from omnidraft_mlx.bench.first_run import README_PROMPT, RUNS, main
+
+    argv = ["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"])]
+    try:
+        main([*argv, "--prompts", "2", "--readme-runs", "1", "--out", str(tmp_path)])
+    except SystemExit:
+        pass
+    result = json.loads((tmp_path / "first_run.json").read_text())
+    assert [r["prompt"] == README_PROMPT for r in result["prompts"]] == [True, False]
+    assert result["same_text"] and result["checks"]["every output equal to plain decoding"]
+    for row in result["prompts"]:
+        assert row["plain"]["text"].strip() and all(0 < row[run]["first_byte_s"] < row[run]["total_s"] for run in RUNS)
+    assert result["config"]["readme_runs"] == 1 and (tmp_path / "first_run.png").stat().st_size > 0

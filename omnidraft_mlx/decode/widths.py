@@ -1,9 +1,9 @@
 """What verifying each draft length costs this target on this machine, measured once per
 model shape and machine and kept on disk (the weights' values do not change it; their
 shapes, dtype, the device and the MLX build do). Measured when the pair opens
-(loading.open_pair), never inside a reply, and quickly: a few lengths, each the faster of
-two forwards (a third where those two disagree), the lengths between interpolated. The
-loop refines it from its own rounds (fit.VerifyCost), but only for the lengths it
+(loading.open_pair), never inside a reply, and quickly: a few lengths, one forward each (a
+second for a length that came out slower than a longer one), the lengths between interpolated.
+The loop refines it from its own rounds (fit.VerifyCost), but only for the lengths it
 verifies: a length measured too slow is never tried, so one slow pass would price it for good."""
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from omnidraft_mlx.profile.atomic import atomic_write_text
 
 MOST = 16  # draft lengths priced: 0..MOST (a lookup's first draft is 8; doubled, 16)
 MEASURED = (0, 1, 2, 4, 8, 15, 16)  # forwarded (15: a BLAS block of 16 rows, often a dip); others interpolated
-PASSES = 3  # at most, each length's fastest kept: a burst of other work slows one pass
-AGREE = 0.1  # two passes within this fraction of each other: no third
 PREFIX = 64  # tokens in the cache before the measured forwards (a prompt's worth of attention)
 log = logging.getLogger("omnidraft.widths")
 
@@ -51,26 +49,34 @@ def shape_key(model) -> str:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "threads": os.environ.get("OPENBLAS_NUM_THREADS", ""),
-        "measured": f"fastest of {PASSES}",  # curves measured in one pass are measured again
+        "measured": "bumps again",  # curves measured another way are measured again
     }
     return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def measure(model, lengths=MEASURED) -> dict[int, float]:
     """Seconds of a target forward over y + n draft tokens after PREFIX tokens, for every n in
-    0..MOST: the fastest of two passes (three where two disagree by more than AGREE) for
-    `lengths`, the others interpolated linearly between their measured neighbours."""
+    0..MOST: one forward for each of `lengths`, a second (the faster kept) for a length slower
+    than a longer one (a burst of other work, or a real bump: either way worth a second look, since
+    a length priced too high is never tried), the others interpolated linearly between their
+    measured neighbours. A forward of the 0.5B target takes ~0.2 s on a 2-core CPU: the first run
+    on a new machine pays about eight of them."""
     slot = KVSlot.fresh(model)
     slot.extend(model, [0] * PREFIX)  # its forward also allocates: the passes below run warm
-    passes: dict[int, list[float]] = {n: [] for n in lengths}
-    for i in range(PASSES):
-        for n in [n for n in lengths if i < 2 or max(passes[n]) > (1 + AGREE) * min(passes[n])]:
-            x = mx.array([[0] * (n + 1)])
-            start = time.perf_counter()
-            mx.eval(model(x, cache=slot.cache).argmax(axis=-1))
-            passes[n].append(time.perf_counter() - start)
-            trim_cache(slot.cache, n + 1)
-    return interpolate({n: min(s) for n, s in passes.items()})
+
+    def forward(n: int) -> float:
+        x = mx.array([[0] * (n + 1)])
+        start = time.perf_counter()
+        mx.eval(model(x, cache=slot.cache).argmax(axis=-1))
+        seconds = time.perf_counter() - start
+        trim_cache(slot.cache, n + 1)
+        return seconds
+
+    seconds = {n: forward(n) for n in lengths}
+    for n in lengths:
+        if any(seconds[n] > seconds[m] for m in lengths if m > n):
+            seconds[n] = min(seconds[n], forward(n))
+    return interpolate(seconds)
 
 
 def interpolate(measured: dict[int, float]) -> dict[int, float]:

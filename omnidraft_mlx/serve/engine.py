@@ -19,12 +19,15 @@ queue is empty, the pair learns and saves (learning.py).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+import mlx.core as mx
 
 from omnidraft_mlx.decode.kvcache import PREFILL_CHUNK
 from omnidraft_mlx.errors import OmniDraftError
@@ -42,6 +45,7 @@ IDLE_S = 0.5  # queue empty this long: save what was learned, run a due drafter 
 PAUSE_S = 0.5  # prompt feeding between two rounds of the requests under way aims at this long
 MIN_CHUNK = 32  # prompt tokens fed between two rounds at least (a first guess, before a rate is measured)
 SLOW_PAUSE_S = 2.0  # a pause between two rounds this long is logged, with what took it
+RELEASE_S = 60.0  # this often, memory freed since goes back to the system (release_memory)
 
 
 class Engine:
@@ -59,6 +63,7 @@ class Engine:
         self.longest_round_pause_s = self.longest_learning_wait_s = 0.0
         self._round_ended: float | None = None  # when the last round ended, while requests stay active
         self.prefill_rate: float | None = None  # prompt tokens fed per second between rounds (a running mean)
+        self.released = time.monotonic()  # when freed memory last went back to the system
         self.decoder: Decoder | None = None  # set by load()
         self.learning: Learning | None = None
 
@@ -122,6 +127,9 @@ class Engine:
                     self._drop(job, e)
 
     def _step(self) -> None:
+        if time.monotonic() - self.released > RELEASE_S:
+            release_memory()
+            self.released = time.monotonic()
         job = None
         if not self.active and self.prefilling is None:
             try:
@@ -329,6 +337,26 @@ class Engine:
             "error",
             ApiError(500, f"internal error ({type(error).__name__}): see the server's log", kind="server_error"),
         )
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_memory() -> None:
+    """Give memory freed since back to the system: MLX's buffer cache (Metal keeps freed buffers
+    for reuse) and, on glibc, the heap's free pages. Freed arrays of up to 32 MB stay resident in
+    glibc's heaps otherwise, so a long-running server's memory follows the largest working set it
+    has seen (a long prompt's prefill, a drafter update) rather than what it holds now."""
+    mx.clear_cache()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _forward_rounds(planned: list) -> list:

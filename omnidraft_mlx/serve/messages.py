@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from omnidraft_mlx.serve.replies import events, gather, gone, sse, submit
+from omnidraft_mlx.serve.replies import gather, gone, reply_events, sse, submit
 from omnidraft_mlx.serve.request import Result
 from omnidraft_mlx.serve.schema import ApiError, ChatRequest, chat_messages, parse, validate
 
@@ -213,7 +213,14 @@ class Reply:
         return len(self.message["content"]) - 1
 
     def start(self) -> list[tuple[str, dict]]:
-        return [("message_start", {"type": "message_start", "message": self.message}), ping()]
+        return [("message_start", {"type": "message_start", "message": self.message}), *self.progress()]
+
+    def progress(self) -> list[tuple[str, dict]]:
+        """A ping: keeps the connection alive while the reply waits in the queue."""
+        return [("ping", {"type": "ping"})]
+
+    def failed(self, e: ApiError) -> list[tuple[str, dict]]:
+        return [("error", error_body(e))]
 
     def add_text(self, piece: str) -> list[tuple[str, dict]]:
         events = []
@@ -266,26 +273,9 @@ class Reply:
         ]
 
 
-def ping() -> tuple[str, dict]:
-    return "ping", {"type": "ping"}
-
-
 async def streamed(job, reply: Reply):
-    async for kind, payload in events(job):
-        if kind == "start":
-            out = reply.start()
-        elif kind == "waiting":
-            out = [ping()]  # keeps the connection alive while queued
-        elif kind == "error":
-            out = [("error", error_body(payload))]
-        elif kind == "text":
-            out = reply.add_text(payload)
-        elif kind == "tool_calls":
-            out = reply.add_calls(payload)
-        else:
-            out = reply.done(payload)
-        for name, data in out:
-            yield sse(data, name)
+    async for name, data in reply_events(job, reply):
+        yield sse(data, name)
 
 
 def add_routes(app: FastAPI, engine) -> None:

@@ -129,6 +129,27 @@ async def events(job: Job):
         job.cancelled.set()
 
 
+async def reply_events(job: Job, reply):
+    """A streamed reply's job events (events()) as the events of its API: its Reply (messages.py,
+    responses.py) turns the opening, each keep-alive, an error, text, tool calls and the end into
+    that API's events."""
+    async for kind, payload in events(job):
+        if kind == "start":
+            out = reply.start()
+        elif kind == "waiting":
+            out = reply.progress()
+        elif kind == "error":
+            out = reply.failed(payload)
+        elif kind == "text":
+            out = reply.add_text(payload)
+        elif kind == "tool_calls":
+            out = reply.add_calls(payload)
+        else:
+            out = reply.done(payload)
+        for event in out:
+            yield event
+
+
 def chunk_choice(kind: str, payload, chat: bool, calls_sent: int) -> dict:
     """A streamed choice for one event: content, tool calls (numbered on from calls_sent) or logprobs."""
     if not chat:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnidraft_mlx.serve.replies import events, gather, gone, message, sse, submit
+from omnidraft_mlx.serve.replies import gather, gone, message, reply_events, sse, submit
 from omnidraft_mlx.serve.request import Result
 from omnidraft_mlx.serve.schema import ApiError, ChatRequest, chat_messages, parse, validate
 
@@ -188,7 +189,8 @@ class Reply:
     """One response built from its job's events as they come: the output items, and the stream's
     events on the way (each numbered, as the API numbers them)."""
 
-    def __init__(self, req: ResponsesRequest, model: str):
+    def __init__(self, req: ResponsesRequest, model: str, keep: Callable[[Reply], None]):
+        self.keep = keep  # given the reply once it is complete (kept for previous_response_id)
         self.namespaces = function_tools(req.tools or [])[1]  # a call to a namespaced function names it
         self.head = {
             "id": "resp_" + secrets.token_hex(12),
@@ -291,6 +293,7 @@ class Reply:
     def done(self, result: Result) -> list[dict]:
         """The reply is over: response.completed, or response.incomplete where it ran out of tokens."""
         events = self.close_text()
+        self.keep(self)
         if result.finish_reason == "length":
             final = self.response("incomplete", incomplete_details={"reason": "max_output_tokens"}, usage=usage(result))
             return events + [self.event("response.incomplete", response=final)]
@@ -330,24 +333,10 @@ class Kept:
             self.items.popitem(last=False)
 
 
-async def streamed(job, reply: Reply, keep):
-    """The response as named server-sent events; keep(reply) once it is complete."""
-    async for kind, payload in events(job):
-        if kind == "start":
-            out = reply.start()
-        elif kind == "waiting":
-            out = reply.progress()
-        elif kind == "error":
-            out = reply.failed(payload)
-        elif kind == "text":
-            out = reply.add_text(payload)
-        elif kind == "tool_calls":
-            out = reply.add_calls(payload)
-        else:
-            out = reply.done(payload)
-            keep(reply)
-        for event in out:
-            yield sse(event, event["type"])
+async def streamed(job, reply: Reply):
+    """The response as named server-sent events."""
+    async for event in reply_events(job, reply):
+        yield sse(event, event["type"])
 
 
 def add_routes(app: FastAPI, engine) -> None:
@@ -361,20 +350,18 @@ def add_routes(app: FastAPI, engine) -> None:
         )
         chat = chat_request(req, conversation)
         job = await submit(engine, chat, chat_messages(chat), raw=False)
-        reply = Reply(req, engine.cfg.target)
 
         def keep(reply: Reply) -> None:
             if req.store:
                 kept.put(reply.head["id"], conversation + [reply.said()])
 
+        reply = Reply(req, engine.cfg.target, keep)
         if req.stream:
-            return StreamingResponse(streamed(job, reply, keep), media_type="text/event-stream")
+            return StreamingResponse(streamed(job, reply), media_type="text/event-stream")
         if (done := await gather(request, job)) is None:
             return gone()
         got, result = done
         if got["text"]:
             reply.add_text("".join(got["text"]))
         reply.add_calls(got["tool_calls"])
-        final = reply.done(result)[-1]["response"]
-        keep(reply)
-        return final
+        return reply.done(result)[-1]["response"]
