@@ -159,7 +159,7 @@ class Engine:
             seconds = time.monotonic() - start
             rate = fed / max(seconds, 1e-6)
             self.prefill_rate = rate if self.prefill_rate is None else (self.prefill_rate + rate) / 2
-            if self.active and seconds > SLOW_PAUSE_S:
+            if self._round_ended is not None and seconds > SLOW_PAUSE_S:  # requests under way waited
                 log.warning("%.1fs between two rounds feeding %d prompt tokens", seconds, fed)
         if self.active:
             self._round()
