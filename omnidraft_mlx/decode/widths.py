@@ -59,8 +59,8 @@ def measure(model, lengths=MEASURED) -> dict[int, float]:
     0..MOST: one forward for each of `lengths`, a second (the faster kept) for a length slower
     than a longer one (a burst of other work, or a real bump: either way worth a second look, since
     a length priced too high is never tried), the others interpolated linearly between their
-    measured neighbours. A forward of the 0.5B target takes ~0.2 s on a 2-core CPU: the first run
-    on a new machine pays about eight of them."""
+    measured neighbours. 7 to 13 forwards where two or three passes took 14 to 21: a forward of the
+    0.5B target takes ~0.2 s on a 2-core CPU, and a new machine's first run pays them."""
     slot = KVSlot.fresh(model)
     slot.extend(model, [0] * PREFIX)  # its forward also allocates: the passes below run warm
 
