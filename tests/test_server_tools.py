@@ -143,6 +143,66 @@ def test_other_replies_to_auto_stay_text_wherever_the_pieces_break():
             assert split(text, cuts, tools=auto()) == ([("text", text)] if text else []), (text, cuts)
 
 
+WRITE_STDIN = {  # one of Codex CLI 0.171's tools, as it offers it
+    "type": "function",
+    "function": {
+        "name": "write_stdin",
+        "description": "Writes characters to an existing unified exec session and returns recent output.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "chars": {
+                    "type": "string",
+                    "description": "Bytes to write to stdin. Defaults to empty, which polls without writing.",
+                },
+                "max_output_tokens": {
+                    "type": "number",
+                    "description": "Output token budget. Defaults to 10000 tokens; larger requests may be "
+                    "capped by policy.",
+                },
+                "session_id": {"type": "number", "description": "Identifier of the running unified exec session."},
+                "yield_time_ms": {
+                    "type": "number",
+                    "description": "Wait before yielding output. Non-empty writes default to 250 ms and cap at "
+                    "30000 ms; empty polls wait 5000-300000 ms by default.",
+                },
+            },
+            "required": ["session_id"],
+            "additionalProperties": False,
+        },
+    },
+}
+WRITE_CALL = (
+    '```json\n{\n  "name": "write_stdin",\n  "arguments": {\n    "chars": "print(\'hello, world\')\\n",\n'
+    '    "max_output_tokens": 10000,\n    "session_id": 1\n  }\n}\n```\n'
+)
+
+
+def test_a_json_call_block_that_ends_a_reply_after_text_is_a_tool_call():
+    """The 1.5B's replies to Codex CLI in the agents-cli run of record: its tool's definition
+    written back, then the call in a ```json block."""
+    echo = "<tools>\n" + json.dumps(WRITE_STDIN) + "\n</tools>\n"
+    wrote = ("write_stdin", {"chars": "print('hello, world')\n", "max_output_tokens": 10000, "session_id": 1})
+    for text, before in [
+        (echo + "\n" + WRITE_CALL, echo.removesuffix("\n")),  # the line breaks before the block go with it
+        (echo + WRITE_CALL, echo.removesuffix("\n")),
+        ("I will call it.\n```json\n" + CALL[12:-13] + "\n```", "I will call it."),
+    ]:
+        for cuts in [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]:
+            events = split(text, cuts, tools=splitter(ToolPlan([WEATHER, WRITE_STDIN], QWEN, bare=True)))
+            assert [k for k, _ in events] == ["text", "tool_calls"] and events[0][1] == before, (text, cuts)
+            assert calls_of(events) == [wrote if "write" in text else PARIS]
+    for text in [
+        "See:\n```json\n" + CALL[12:-13] + "\n```\nThat gets it.",  # text after the block
+        "See:\n" + CALL[12:-13],  # a bare call after text
+        "See: ```json\n" + CALL[12:-13] + "\n```",  # a block that opens inside a line
+        "See:\n```python\nget_weather('Paris')\n```",
+        'See:\n```json\n{"name": "add", "arguments": {}}\n```',  # not offered
+    ]:
+        for cuts in [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]:
+            assert split(text, cuts, tools=auto()) == [("text", text)], (text, cuts)
+
+
 def test_a_reply_that_cannot_be_json_calls_streams_as_soon_as_it_shows():
     for opening, held in [
         ("It is", False),

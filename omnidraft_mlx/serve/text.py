@@ -6,12 +6,13 @@ the next round settles it. A tool call's text is held whole until its closing
 marker (or the reply's end), then parsed (serve_tools.parse_calls); text that
 does not parse goes out as content, markers and all. With tool_choice "auto", a
 reply that may still be nothing but JSON calls (serve_tools.json_calls) is held
-whole: as calls at its end, or let go as soon as it cannot be one.
+whole, and so is a ``` block after text: as calls at the reply's end, or let go
+as soon as it cannot be one.
 """
 
 from __future__ import annotations
 
-from omnidraft_mlx.serve.tools import json_calls, may_be_json_calls, parse_calls
+from omnidraft_mlx.serve.tools import fence_opens, json_calls, may_be_json_calls, parse_calls
 from omnidraft_mlx.vocab.textstream import TextStream
 
 
@@ -101,27 +102,39 @@ class ToolSplit:
 
 
 class JsonCalls:
-    """A reply that is only JSON calls of the offered `tools` (serve_tools.json_calls) -> one
-    ("tool_calls", [call, ...]) event at its end; any other reply goes on through `then`, another
-    splitter, as soon as its start shows that it is no such reply."""
+    """A reply that ends in JSON calls of the offered `tools` (serve_tools.json_calls): the whole
+    reply, or a ``` block on lines of its own after text -> the text, then one ("tool_calls",
+    [call, ...]) event at the reply's end. Text goes on through `then`, another splitter, as soon as
+    it shows that it cannot be part of such an ending."""
 
     def __init__(self, tools: list[dict], then):
-        self.tools, self.then, self.held = tools, then, ""  # held: None once it is no JSON reply
+        self.tools, self.then = tools, then
+        self.held, self.fenced = "", False  # held from the reply's start, or (fenced) from a line break
 
     def add(self, text: str) -> list[tuple[str, object]]:
-        if self.held is None:
-            return self.then.add(text)
         self.held += text
-        if may_be_json_calls(self.held, self.tools):
-            return []
-        text, self.held = self.held, None
-        return self.then.add(text)
+        events = []
+        while self.held and not self.may_be_calls():
+            cut = next((i for i in line_breaks(self.held) if fence_opens(self.held[i:])), len(self.held))
+            events += self.then.add(self.held[:cut])
+            self.held, self.fenced = self.held[cut:], True
+        return events
+
+    def may_be_calls(self) -> bool:
+        block_starts = not self.fenced or self.held.startswith("\n")  # not inside a line of text
+        return block_starts and may_be_json_calls(self.held, self.tools, self.fenced)
 
     def finish(self) -> list[tuple[str, object]]:
-        held, self.held = self.held, None
-        if held and (calls := json_calls(held, self.tools)):
-            return [("tool_calls", calls)]
-        return self.then.add(held or "") + self.then.finish()
+        calls = self.may_be_calls() and json_calls(self.held, self.tools, self.fenced)
+        held, self.held = self.held, ""
+        if calls:
+            return self.then.finish() + [("tool_calls", calls)]
+        return self.then.add(held) + self.then.finish()
+
+
+def line_breaks(text: str):
+    """Where `text` breaks a line, its first character aside (held text may start at a break)."""
+    return (i for i in range(1, len(text)) if text[i] == "\n")
 
 
 def splitter(tools):

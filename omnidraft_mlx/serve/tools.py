@@ -10,8 +10,10 @@ a call at the start of the reply, in the prompt, so the reply is a call: for
 JSON calls up to the name, or to the arguments of the named function, since a
 small model may end its reply right after a bare opening marker (as
 Qwen2.5-Coder-0.5B does). With "auto", a reply that is nothing but JSON calls
-of offered tools, bare or in one ```json block, is a call too (json_calls):
-Qwen2.5-Coder 0.5B and 1.5B write their calls so rather than in tags.
+of offered tools, bare or in one ```json block, is a call too (json_calls), and
+so is such a block that ends the reply on a line of its own after text:
+Qwen2.5-Coder 0.5B and 1.5B write their calls so rather than in tags (the 1.5B
+under Codex CLI's long prompt writes text first, then the block).
 
 The drafter of a tool conversation reads the target's prompt text in its own
 tokens: its own template knows no tools, and it is the target's reply to that
@@ -175,22 +177,31 @@ def json_reply(text: str) -> tuple[bool, str | None, str] | None:
     return (fenced, None, "") if end is None else (fenced, s[:end], s[end:])
 
 
-def may_be_json_calls(text: str, tools: list[dict]) -> bool:
-    """Whether a reply that starts so may still be only JSON calls (json_calls)."""
-    read = json_reply(text)
+def fence_opens(text: str) -> bool:
+    """Whether `text`, spaces aside, opens a ``` block or may still open one."""
+    s = text.lstrip()
+    return s.startswith(FENCE) or FENCE.startswith(s)
+
+
+def may_be_json_calls(text: str, tools: list[dict], fenced: bool = False) -> bool:
+    """Whether a reply (or, `fenced`, a ``` block that ends it) that starts so may still be only
+    JSON calls (json_calls)."""
+    read = json_reply(text) if fence_opens(text) or not fenced else None
     if read is None or read[1] is None:
         return read is not None
-    fenced, value, rest = read
-    return (FENCE.startswith(rest.strip()) if fenced else not rest.strip()) and bool(calls_in(value, tools))
+    in_fence, value, rest = read
+    return (FENCE.startswith(rest.strip()) if in_fence else not rest.strip()) and bool(calls_in(value, tools))
 
 
-def json_calls(text: str, tools: list[dict]) -> list[dict] | None:
+def json_calls(text: str, tools: list[dict], fenced: bool = False) -> list[dict] | None:
     """OpenAI tool calls from a whole reply that is one JSON call, or a list of them, bare or in one
-    ```json block: each exactly {"name": an offered tool, "arguments" (or "parameters"): {...}}."""
+    ```json block (only that, `fenced`): each exactly {"name": an offered tool, "arguments" (or
+    "parameters"): {...}}."""
     read = json_reply(text)
-    if read is None or read[1] is None or read[2].strip() != (FENCE if read[0] else ""):
+    if read is None or read[1] is None or (fenced and not read[0]):
         return None
-    return calls_in(read[1], tools)
+    in_fence, value, rest = read
+    return calls_in(value, tools) if rest.strip() == (FENCE if in_fence else "") else None
 
 
 def calls_in(value: str, tools: list[dict]) -> list[dict] | None:
