@@ -2,7 +2,10 @@
 
 import os
 
+from tiny_models import TEXT
+
 from omnidraft_mlx.chat import ChatConfig, ChatSession
+from omnidraft_mlx.decode.drafter import CONTEXT_KEEP, CONTEXT_STEP, draft_context
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.decode.promptcache import CacheUse, PromptCache
 from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
@@ -102,6 +105,33 @@ def test_a_drafter_update_retires_only_the_drafter_caches(cross):
     use = CacheUse()
     assert cached_reply(cache, cross, messages, use) == greedy(cross, messages)
     assert use.draft_tokens == 0 and use.target_tokens > 0
+
+
+def test_the_drafter_reads_the_end_of_a_prompt_from_a_start_that_moves_a_step_at_a_time():
+    ids = list(range(40))
+    starts = []
+    for n in range(len(ids) + 1):
+        window = draft_context(ids[:n], keep=5, step=8)
+        assert ids[:n][n - len(window) :] == window and draft_context(window, keep=5, step=8) == window
+        assert len(window) == n if n < 5 + 8 else 5 <= len(window) < 5 + 8
+        starts.append(n - len(window))
+    assert sorted(set(starts)) == [0, 8, 16, 24, 32] and starts == sorted(starts)
+
+
+def test_a_long_conversation_stays_lossless_and_its_next_turn_finds_the_drafters_cache(cross):
+    messages = [{"role": "user", "content": TEXT * 2 + "def add_60(x):"}]
+    draft_ids = encode(cross, messages)[0]
+    assert len(draft_ids) > CONTEXT_KEEP + CONTEXT_STEP  # the drafter reads only the window
+    cache = PromptCache()
+    reply = cached_reply(cache, cross, messages)
+    assert reply == greedy(cross, messages)
+    messages += [{"role": "assistant", "content": cross.target_tok.decode(reply)}, {"role": "user", "content": "ok"}]
+    window = draft_context(encode(cross, messages)[0])
+    assert window[: len(draft_context(draft_ids))] == draft_context(draft_ids)  # the same start
+    use = CacheUse()
+    assert cached_reply(cache, cross, messages, use) == greedy(cross, messages)
+    assert len(draft_context(draft_ids)) - 1 <= use.draft_tokens < len(draft_ids)  # its window, not the whole
+    assert use.target_tokens >= len(encode(cross, messages[:1])[1]) - 1
 
 
 def test_a_chat_turn_prefills_only_what_is_new(cross):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from mlx_lm.models.cache import LRUPromptCache
 
+from omnidraft_mlx.decode.drafter import draft_context
 from omnidraft_mlx.decode.kvcache import KVSlot
 from omnidraft_mlx.decode.policy import DraftPolicy
 from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats, decode_alone
@@ -77,6 +78,7 @@ class PromptCache:
         self, pair: Pair, draft_ids: list[int], target_ids: list[int], use: CacheUse | None = None
     ) -> tuple[KVSlot, KVSlot]:
         """slots(), and how many prompt tokens they hold into `use`."""
+        draft_ids = draft_context(draft_ids)  # what the drafter reads of its prompt
         draft_slot, target_slot = self.slots(pair, draft_ids, target_ids)
         if use is not None:
             # The loop always feeds each model its prompt's last token afresh.

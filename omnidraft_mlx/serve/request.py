@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from omnidraft_mlx.decode.drafter import draft_context
 from omnidraft_mlx.decode.promptcache import CacheUse
 from omnidraft_mlx.failpoints import armed, failpoint
 from omnidraft_mlx.serve.logprobs import token_logprobs
@@ -122,6 +123,7 @@ class Decoder:
         )
         logprobs = (req.top_logprobs or 0) if chat and req.logprobs else None
         label = json.dumps(messages, default=str) if armed() else ""
+        draft_ids = draft_context(draft_ids)  # the end of its prompt the drafter reads
         return Job(draft_ids, target_ids, spec, stop_strings(req), loop, asyncio.Queue(), tools, logprobs, label=label)
 
     def begin(self, job: Job) -> Prefill:
