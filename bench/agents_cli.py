@@ -463,6 +463,7 @@ def summary(turns: list[dict]) -> dict:
         return {
             "turns": len(group),
             "median_s": round(statistics.median(values), 3) if values else None,
+            "range_s": [round(min(values), 1), round(max(values), 1)] if values else None,
             "median_cached_tokens": statistics.median([t["usage"]["cached_tokens"] or 0 for t in group])
             if group
             else None,
@@ -500,20 +501,28 @@ def readme(result: dict) -> str:
         result["command"],
         "```",
         "",
-        "| agent | solved | requests | 4xx/5xx | speedup (pooled, vs plain) | TTFT first turn | TTFT later turns |",
+        "| agent | solved | requests | 4xx/5xx | speedup (pooled, vs plain) | TTFT, each task's first turn "
+        "| TTFT, later turns |",
         "|---|---|---|---|---|---|---|",
     ]
+
+    def ttft(turns: dict) -> str:
+        if not turns["turns"]:
+            return "none"
+        low, high = turns["range_s"]
+        return (
+            f"{low}-{high} s, median {turns['median_s']} s ({turns['median_cached_tokens']:.0f} of "
+            f"{turns['median_prompt_tokens']:.0f} prompt tokens cached)"
+        )
+
     for agent, run in result["agents"].items():
         s, t = run["summary"], run["summary"]["time_to_first_token"]
         solved = sum(task["solved"] for task in run["tasks"])
-        first, later = t["first_turn"], t["later_turns"]
         lines.append(
             f"| {agent} ({run['version']}) | {solved} / {len(run['tasks'])} | {s['requests']} | "
-            f"{s['protocol_errors']} | "
-            f"{s['speedup']}x over {s['speedup_turns']} turns | {first['median_s']} s "
-            f"(plain prefill {s['plain_prefill_s']} s) | {later['median_s']} s "
-            f"({later['median_cached_tokens']} of {later['median_prompt_tokens']} prompt tokens cached; "
-            "plain decoding prefills the whole prompt again) |"
+            f"{s['protocol_errors']} | {s['speedup']}x over {s['speedup_turns']} turns | "
+            f"{ttft(t['first_turn'])}; plain decoding prefills the whole prompt, "
+            f"{s['plain_prefill_s']} s | {ttft(t['later_turns'])}; plain decoding prefills it all again |"
         )
     lines += ["", "## Tasks", ""]
     for agent, run in result["agents"].items():

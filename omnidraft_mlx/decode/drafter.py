@@ -33,10 +33,11 @@ CONTEXT_KEEP, CONTEXT_STEP = 1024, 2048  # draft_context: the drafter reads 1024
 
 def draft_context(prompt_ids: list[int], keep: int = CONTEXT_KEEP, step: int = CONTEXT_STEP) -> list[int]:
     """The end of its prompt that the drafter reads: from a multiple of `step` tokens, at least
-    `keep` tokens before the end. On this CPU attention makes a long prompt cost the 135M drafter
-    40 % of what it costs the 1.5B target (each layer's scores grow with the context, not with
-    the model's width), so an agent's 5,000-token prompt took the server 1.45x plain prefill;
-    what the drafter guesses depends on the last lines, and lookups still read the whole prompt.
+    `keep` tokens before the end. Attention's cost grows with the context and the heads, not the
+    model's width, so a small drafter pays much of what the target pays for a long prompt: an
+    agent's 5,300-token prompt took the server 1.45x plain prefill (bench/results/agents-cli,
+    the run before this); what the drafter guesses depends on the last lines, and lookups still
+    read the whole prompt.
     The start moves only every `step` tokens, so a conversation's next turn finds the drafter's
     cache of the turn before (the prompt cache) most of the time."""
     return prompt_ids[max(0, len(prompt_ids) - keep) // step * step :]
