@@ -205,7 +205,15 @@ def test_concurrent_clients_are_decoded_together_and_a_disconnect_leaves_the_oth
 
 def test_requests_whose_caches_would_not_fit_wait_their_turn(tiny_dirs, tiny, tmp_path):
     """--cache-bytes bounds the active requests' caches too: with room for one, one at a time."""
-    srv = start(tiny_dirs, tmp_path / "home", tmp_path / "server.log", "--cache-bytes", "1", "--no-profile")
+    srv = ServerProcess(
+        str(tiny_dirs["draft"]),
+        str(tiny_dirs["target"]),
+        tmp_path / "server.log",
+        "--cache-bytes",
+        "1",
+        "--no-profile",
+        env={"OMNIDRAFT_HOME": str(tmp_path / "home"), "OMNIDRAFT_FAILPOINTS": "prefill#SLOW~0.5"},
+    )
     try:
         client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
         prompts = ["def add_3(x):", "print(add_", "def add_7(x):"]
@@ -213,6 +221,24 @@ def test_requests_whose_caches_would_not_fit_wait_their_turn(tiny_dirs, tiny, tm
         assert ask_together(client, str(tiny_dirs["target"]), prompts, 16) == expected
         health = idle(srv)
         assert health["served"] == 3 and health["most_active"] == 1 and health["prompt_cache_bytes"] <= 1
+        # A request's time to first token counts from its arrival, as its client's does: each of
+        # these prefills 0.5 s longer (a failpoint), so the last one admitted waited over 1 s for
+        # the two before it, then prefilled.
+        timed = []  # (time to first token the server reports, the client's wait for the whole reply)
+
+        def ask(prompt):
+            sent = time.monotonic()
+            reply = client.chat.completions.create(
+                model=str(tiny_dirs["target"]), messages=[{"role": "user", "content": prompt}], max_tokens=16
+            )
+            timed.append((reply.usage.speculative["time_to_first_token_s"], time.monotonic() - sent))
+
+        threads = [threading.Thread(target=ask, args=(f"# SLOW\n{p}",)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert max(t for t, _ in timed) > 1.2 and all(t < w for t, w in timed), timed
     finally:
         assert srv.stop() == 0, srv.log.read_text()
 

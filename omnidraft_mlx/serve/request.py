@@ -53,6 +53,8 @@ class Job:
     logprobs: int | None = None  # alternatives per token; None: no log-probabilities
     cancelled: threading.Event = field(default_factory=threading.Event)
     label: str = ""  # the request's messages, for a failpoint aimed at it (set only while one is armed)
+    # Its time to first token counts from here, as its client's does: waits in the queue (for a
+    # drafter update's slice, for its turn to prefill) included.
     arrived: float = field(default_factory=time.monotonic)
 
     def emit(self, kind: str, payload) -> None:
@@ -131,7 +133,7 @@ class Decoder:
         failpoint("prefill", job.label)
         use = CacheUse()
         slots = self.prompt_cache.take(self.pair, job.draft_ids, job.target_ids, use)
-        return Prefill(job, slots, use, time.perf_counter())
+        return Prefill(job, slots, use)
 
     def start(self, job: Job, scheduler, prefill: Prefill | None = None) -> Running:
         """The job's decoding, prefilled on the prompt cache (what `prefill` has not fed yet fed
@@ -154,7 +156,7 @@ class Decoder:
             scheduler=scheduler,
             on_logits=rows.append if job.logprobs is not None else None,
         )
-        return Running(job, decoding, stats, prefill.use, reply, rows, prefill.start)
+        return Running(job, decoding, stats, prefill.use, reply, rows)
 
     def finish(self, running: Running, intact: bool = True) -> tuple[Result, list[int]]:
         """Give the running job's caches back to the prompt cache; (its result, the reply's target ids)."""
@@ -201,7 +203,6 @@ class Prefill:
     job: Job
     slots: tuple[KVSlot, KVSlot]  # (draft, target)
     use: CacheUse
-    start: float  # when it was admitted: its time to first token counts from here
 
     def _prompts(self) -> list[tuple[KVSlot, list[int]]]:
         return list(zip(self.slots, (self.job.draft_ids[:-1], self.job.target_ids[:-1])))
@@ -230,7 +231,6 @@ class Running:
     use: CacheUse
     reply: ReplyText
     rows: list  # the target's logits of the last round, for log-probabilities
-    start: float
     ids: list[int] = field(default_factory=list)
     ttft: float | None = None
     finish: str | None = None  # set when the reply is over
@@ -250,7 +250,7 @@ class Running:
         """A round's logits (Decoding.take) -> the reply's events; whether the reply is over."""
         job = self.job
         new, _ = self.decoding.take(out, forward_s)
-        self.ttft = self.ttft if self.ttft is not None else time.perf_counter() - self.start
+        self.ttft = self.ttft if self.ttft is not None else time.monotonic() - job.arrived
         self.ids += new
         if self.rows and (logprobs := token_logprobs(self.rows.pop(), new, job.logprobs, token_bytes)):
             job.emit("logprobs", logprobs)
