@@ -19,10 +19,10 @@ from omnidraft_mlx.prompts import encode_prompt
 KEY = "test-key"
 
 
-def start(tiny_dirs, home, log, *args) -> ServerProcess:
-    return ServerProcess(
-        str(tiny_dirs["draft"]), str(tiny_dirs["target"]), log, *args, env={"OMNIDRAFT_HOME": str(home)}
-    )
+def start(tiny_dirs, home, log, *args, failpoints: str = "") -> ServerProcess:
+    """`serve` on the tiny pair, its home under `home`, with these failpoints armed (failpoints.py)."""
+    env = {"OMNIDRAFT_HOME": str(home)} | ({"OMNIDRAFT_FAILPOINTS": failpoints} if failpoints else {})
+    return ServerProcess(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), log, *args, env=env)
 
 
 def idle(server, timeout: float = 120) -> dict:
@@ -205,14 +205,14 @@ def test_concurrent_clients_are_decoded_together_and_a_disconnect_leaves_the_oth
 
 def test_requests_whose_caches_would_not_fit_wait_their_turn(tiny_dirs, tiny, tmp_path):
     """--cache-bytes bounds the active requests' caches too: with room for one, one at a time."""
-    srv = ServerProcess(
-        str(tiny_dirs["draft"]),
-        str(tiny_dirs["target"]),
+    srv = start(
+        tiny_dirs,
+        tmp_path / "home",
         tmp_path / "server.log",
         "--cache-bytes",
         "1",
         "--no-profile",
-        env={"OMNIDRAFT_HOME": str(tmp_path / "home"), "OMNIDRAFT_FAILPOINTS": "prefill#SLOW~0.5"},
+        failpoints="prefill#SLOW~0.5",
     )
     try:
         client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
@@ -423,13 +423,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_round_beside_the_other_streams(t
     _, long_text = chat_greedy(tiny, long, 16)
     _, running_text = chat_greedy(tiny, running, 1000)
     points = f"prefill#LONGPROMPT~{stall},draft#SLOWSTREAM~0.02"  # the stream's rounds slowed to outlast it
-    srv = ServerProcess(
-        str(tiny_dirs["draft"]),
-        str(tiny_dirs["target"]),
-        tmp_path / "server.log",
-        "--no-profile",
-        env={"OMNIDRAFT_HOME": str(tmp_path / "home"), "OMNIDRAFT_FAILPOINTS": points},
-    )
+    srv = start(tiny_dirs, tmp_path / "home", tmp_path / "server.log", "--no-profile", failpoints=points)
     try:
         client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
         body = {"messages": running, "max_tokens": 1000, "stream": True}
@@ -471,14 +465,7 @@ def test_a_drafter_update_pauses_for_a_request_and_goes_on_when_idle(tiny_dirs, 
     """Learning on (as `serve` runs by default): the update after 8 replies runs a slice (one
     example's gradient) at a time, each stalled 0.5 s here (4 s in all); a request sent while it
     runs is answered at once, its reply the target's own, and the update ends afterwards."""
-    srv = ServerProcess(
-        str(tiny_dirs["draft"]),
-        str(tiny_dirs["target"]),
-        tmp_path / "server.log",
-        "--adapt-every",
-        "8",
-        env={"OMNIDRAFT_HOME": str(tmp_path / "home"), "OMNIDRAFT_FAILPOINTS": "update~0.5"},
-    )
+    srv = start(tiny_dirs, tmp_path / "home", tmp_path / "server.log", "--adapt-every", "8", failpoints="update~0.5")
     try:
         client = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
         model = str(tiny_dirs["target"])

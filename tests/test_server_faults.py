@@ -12,22 +12,16 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
-from test_server import chat_greedy, greedy, idle
-
-from omnidraft_mlx.bench.load_test import ServerProcess
+from test_server import chat_greedy, greedy, idle, start
 
 FAILING = ("prefill", "draft", "verify", "finish")
 ARMED = ",".join([f"{name}#FAIL_{name.upper()}" for name in (*FAILING, "learn")] + ["save@1"])
 
 
-def start(tiny_dirs, tmp_path, failpoints: str, *args) -> ServerProcess:
-    env = {"OMNIDRAFT_HOME": str(tmp_path / "home"), "OMNIDRAFT_FAILPOINTS": failpoints}
-    return ServerProcess(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), tmp_path / "server.log", *args, env=env)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_dirs, tmp_path_factory):
-    srv = start(tiny_dirs, tmp_path_factory.mktemp("faults"), ARMED, "--max-tokens", "20", "--no-adapt")
+    root = tmp_path_factory.mktemp("faults")
+    srv = start(tiny_dirs, root / "home", root / "server.log", "--max-tokens", "20", "--no-adapt", failpoints=ARMED)
     yield srv
     assert srv.stop() == 0, srv.log.read_text()
 
@@ -132,7 +126,8 @@ def test_many_clients_encoding_long_prompts_at_once(server, tiny, tiny_dirs):
 def test_sigterm_inside_saves_exits_cleanly_with_everything_learned(tiny_dirs, tmp_path, monkeypatch):
     from omnidraft_mlx.profile.store import load_profile
 
-    srv = start(tiny_dirs, tmp_path, "save~3", "--max-tokens", "24", "--no-adapt")  # every save takes 3 s
+    home, log = tmp_path / "home", tmp_path / "server.log"
+    srv = start(tiny_dirs, home, log, "--max-tokens", "24", "--no-adapt", failpoints="save~3")  # every save takes 3 s
     try:
         with OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
             for text in ("def add_3(x):", "print(add_"):
@@ -157,7 +152,8 @@ def test_sigterm_inside_saves_exits_cleanly_with_everything_learned(tiny_dirs, t
 def test_sigterm_mid_stream_ends_the_stream_saves_and_exits_within_10_s(tiny_dirs, tmp_path, monkeypatch):
     from omnidraft_mlx.profile.store import load_profile
 
-    srv = start(tiny_dirs, tmp_path, "", "--adapt-every", "1")  # learning on, as `serve` runs by default
+    # Learning on, as `serve` runs by default.
+    srv = start(tiny_dirs, tmp_path / "home", tmp_path / "server.log", "--adapt-every", "1")
     try:
         with OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
             c.chat.completions.create(model=str(tiny_dirs["target"]), messages=messages("print(add_"), max_tokens=16)

@@ -51,6 +51,11 @@ def split(text: str, pieces: list[int], opened: str | None = None, tools=None) -
     return merged
 
 
+def all_cuts(text: str) -> list[list[int]]:
+    """The ways split() is asked to cut a text: once at each offset, and into pieces a character each."""
+    return [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]
+
+
 def calls_of(events) -> list[tuple[str, dict]]:
     return [
         (c["function"]["name"], json.loads(c["function"]["arguments"]))
@@ -113,7 +118,7 @@ JSON_REPLIES = {  # what Qwen2.5-Coder 0.5B and 1.5B write in auto mode (the fir
 
 def test_a_reply_of_only_json_calls_is_tool_calls_wherever_the_pieces_break():
     for text, expected in JSON_REPLIES.items():
-        for cuts in [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]:  # and a piece a character
+        for cuts in all_cuts(text):
             events = split(text, cuts, tools=auto())
             assert [k for k, _ in events] == ["tool_calls"] and calls_of(events) == expected, (text, cuts)
     assert calls_of(split(CALL, [7], tools=auto())) == [PARIS]  # Qwen's own tags still work
@@ -139,7 +144,7 @@ def test_other_replies_to_auto_stay_text_wherever_the_pieces_break():
         "The weather is fine.",
         "",
     ]:
-        for cuts in [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]:
+        for cuts in all_cuts(text):
             assert split(text, cuts, tools=auto()) == ([("text", text)] if text else []), (text, cuts)
 
 
@@ -188,7 +193,7 @@ def test_a_json_call_block_that_ends_a_reply_after_text_is_a_tool_call():
         (echo + WRITE_CALL, echo.removesuffix("\n")),
         ("I will call it.\n```json\n" + CALL[12:-13] + "\n```", "I will call it."),
     ]:
-        for cuts in [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]:
+        for cuts in all_cuts(text):
             events = split(text, cuts, tools=splitter(ToolPlan([WEATHER, WRITE_STDIN], QWEN, bare=True)))
             assert [k for k, _ in events] == ["text", "tool_calls"] and events[0][1] == before, (text, cuts)
             assert calls_of(events) == [wrote if "write" in text else PARIS]
@@ -199,7 +204,7 @@ def test_a_json_call_block_that_ends_a_reply_after_text_is_a_tool_call():
         "See:\n```python\nget_weather('Paris')\n```",
         'See:\n```json\n{"name": "add", "arguments": {}}\n```',  # not offered
     ]:
-        for cuts in [[cut] for cut in range(len(text) + 1)] + [list(range(1, len(text)))]:
+        for cuts in all_cuts(text):
             assert split(text, cuts, tools=auto()) == [("text", text)], (text, cuts)
 
 
