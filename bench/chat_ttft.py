@@ -30,13 +30,14 @@ TURNS = (
 def run(draft: str, target: str, max_tokens: int) -> dict:
     from omnidraft_mlx.chat import ChatConfig, ChatSession
     from omnidraft_mlx.decode.promptcache import PromptCache
+    from omnidraft_mlx.decode.speculative import SpecConfig
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.models.pull import CATALOG_RESOLVER
     from omnidraft_mlx.pair import make_pair
 
     (dm, dt), (tm, tt) = load_model(draft, CATALOG_RESOLVER), load_model(target, CATALOG_RESOLVER)
     pair = make_pair(dm, dt, tm, tt)
-    cfg = ChatConfig(max_tokens=max_tokens, adapt=False)
+    cfg = ChatConfig(spec=SpecConfig(max_tokens=max_tokens), adapt=False)
     sessions = {"cached": ChatSession(pair, cfg), "no cache": ChatSession(pair, cfg, prompt_cache=PromptCache(0))}
     turns = []
     for i, text in enumerate(TURNS, 1):

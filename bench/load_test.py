@@ -246,7 +246,7 @@ def summary(run: dict, plain: dict[str, str]) -> dict:
     tokens = sum(r.usage["completion_tokens"] for r in complete)
     spec = [r.usage["speculative"] for r in complete]
     proposed, accepted = sum(s["proposed"] for s in spec), sum(s["accepted"] for s in spec)
-    forwards = sum(s["target_forwards"] for s in spec)
+    forwards = sum(s["rounds"] for s in spec)
     return {
         "batch": run["batch"],
         "requests": len(requests),

@@ -343,28 +343,7 @@ def _run_ours(
         out += new
         if isinstance(policy, OraclePolicy):
             policy.advance(new)
-    return {
-        "output": out,
-        "ttft_s": stats.prefill_s,
-        "generate_s": stats.generate_s,
-        "tokens_per_s": stats.tokens_per_s,
-        "rounds": stats.rounds,
-        "proposed": stats.proposed,
-        "accepted": stats.accepted,
-        "branched": stats.branched,
-        "branch_held": stats.branch_held,
-        "draft_s": stats.draft_s,
-        "verify_s": stats.verify_s,
-        "other_s": stats.other_s,
-        "draft_forwards": stats.draft_forwards,
-        "ngram_hits": stats.ngram_hits,
-        "round_ends": dict(stats.round_ends),
-        "drafted": stats.drafted,
-        "by_source": stats.by_source,
-        "padded": stats.padded,
-        "pad_held": stats.pad_held,
-        "cached_tokens": stats.cached_tokens,
-    }
+    return {"output": out, "ttft_s": stats.prefill_s, **stats.record()}
 
 
 def _run_mlxlm(pair, target: KVSlot, target_ids: list[int], k: int, max_tokens: int) -> dict:

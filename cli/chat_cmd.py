@@ -68,10 +68,14 @@ def chat(
     k: int = options.K,
     policy: str = options.POLICY,
     gamma: str = options.GAMMA,
+    max_k: int | None = options.MAX_K,
     temp: float = options.TEMP,
     top_p: float = options.TOP_P,
     max_tokens: int = typer.Option(512, "--max-tokens", help="Most tokens per reply."),
     seed: int = options.SEED,
+    translation: str = options.TRANSLATION,
+    sampling: str = options.SAMPLING,
+    lookup_len: int = options.LOOKUP_LEN,
     context: int | None = typer.Option(
         None,
         "--context",
@@ -91,25 +95,23 @@ def chat(
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.chat import ChatConfig
     from omnidraft_mlx.cli.main import err_console
-    from omnidraft_mlx.decode.policy import PolicyConfig, check_policy, parse_gamma
 
     # The settings check themselves (one-line errors), before any model loads.
-    cfg = ChatConfig(
+    spec = options.decoding(
         k=k,
         temp=temp,
         top_p=top_p,
         max_tokens=max_tokens,
         seed=seed,
-        context=context,
-        adapt=adapt,
-        adapt_every=adapt_every,
-        sources=source,
-        guard=not no_guard,
+        translation=translation,
+        sampling=sampling,
+        lookup_len=lookup_len,
+        source=source,
+        no_guard=no_guard,
         tree=tree,
     )
-    policy_cfg = PolicyConfig(
-        name=check_policy(policy), k=k, max_k=max(k, PolicyConfig.max_k), gamma=parse_gamma(gamma)
-    )
+    cfg = ChatConfig(spec=spec, context=context, adapt=adapt, adapt_every=adapt_every)
+    policy_cfg = options.draft_length(policy, gamma, k, max_k)
     warn_if_slow_blas(err_console)
     session, on_save = _open_session(draft, target, system, cfg, policy_cfg, no_profile)
     # Ctrl-C stops a reply even when the chat was started with SIGINT ignored, as a background

@@ -10,7 +10,7 @@ import typer
 from rich.text import Text
 
 from omnidraft_mlx.cli import options
-from omnidraft_mlx.decode.policy import PolicyConfig, check_policy, make_policy, parse_gamma
+from omnidraft_mlx.decode.policy import make_policy
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.vocab.textstream import TextStream
 
@@ -40,11 +40,11 @@ class Printer:
             self.console.print(Text(text, style="cyan" if drafted else ""), end="")
 
 
-def _fits_context(model, n_prompt: int, max_tokens: int) -> bool:
-    from omnidraft_mlx.pair import context_length
+def _fits_context(model, n_prompt: int, cfg) -> bool:
+    from omnidraft_mlx.pair import context_limit, reply_room
 
-    limit = context_length(model)
-    return limit is None or n_prompt + max_tokens <= limit
+    room = reply_room(context_limit([model]), [n_prompt], cfg.k)
+    return room is None or cfg.max_tokens <= room
 
 
 def generate(
@@ -59,13 +59,12 @@ def generate(
     seed: int = options.SEED,
     system: str | None = options.SYSTEM,
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
-    translation: str = typer.Option("text", "--translation", help="Greedy draft translation: text or tokens."),
-    sampling: str = typer.Option(
-        "exact", "--sampling", help="Sampling mode: exact (lossless) or omnidraft (+n-grams)."
-    ),
+    translation: str = options.TRANSLATION,
+    sampling: str = options.SAMPLING,
+    lookup_len: int = options.LOOKUP_LEN,
     policy: str = options.POLICY,
     gamma: str = options.GAMMA,
-    max_k: int = typer.Option(8, "--max-k", help="Adaptive policies: most draft tokens per round."),
+    max_k: int | None = options.MAX_K,
     source: str = options.SOURCE,
     no_guard: bool = options.NO_GUARD,
     tree: bool = options.TREE,
@@ -76,13 +75,12 @@ def generate(
     """Generate text from PROMPT, speculatively with a drafter unless --model is given."""
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
-    from omnidraft_mlx.decode.speculative import SpecConfig
     from omnidraft_mlx.prompts import user_messages
 
     if prompt == "-":
         prompt = sys.stdin.read()
     # The settings check themselves (one-line errors), before any model loads; plain decoding too.
-    cfg = SpecConfig(
+    cfg = options.decoding(
         k=k,
         temp=temp,
         top_p=top_p,
@@ -90,23 +88,24 @@ def generate(
         seed=seed,
         translation=translation,
         sampling=sampling,
-        sources=source,
-        guard=not no_guard,
+        lookup_len=lookup_len,
+        source=source,
+        no_guard=no_guard,
         tree=tree,
     )
-    policy_cfg = PolicyConfig(name=check_policy(policy), k=k, max_k=max_k, gamma=parse_gamma(gamma))
+    policy_cfg = options.draft_length(policy, gamma, k, max_k)
     if not quiet:
         warn_if_slow_blas(err_console)
     messages = user_messages(prompt, system)
 
     target_name = model or target
     target_model, target_tok, target_ids = _load(target_name, messages, raw)
-    if not _fits_context(target_model, len(target_ids), max_tokens):
+    if not _fits_context(target_model, len(target_ids), cfg):
         raise OmniDraftError(
             f"prompt ({len(target_ids)} tokens) + --max-tokens {max_tokens} exceed {target_name}'s "
             "context: shorten the prompt or lower --max-tokens"
         )
-    drafter = None if model else _load_drafter(draft, messages, raw, max_tokens)
+    drafter = None if model else _load_drafter(draft, messages, raw, cfg)
     printer = partial(Printer, console=console, show_draft=show_draft, quiet=quiet)
     if drafter:
         from omnidraft_mlx.loading import open_pair
@@ -138,12 +137,12 @@ def _load(name: str, messages: list[dict], raw: bool) -> tuple:
     return model, tok, encode_prompt(tok, messages, raw)
 
 
-def _load_drafter(draft: str, messages: list[dict], raw: bool, max_tokens: int):
+def _load_drafter(draft: str, messages: list[dict], raw: bool, cfg):
     """The drafter, as _load gives it; None, with a note, when the prompt does not fit it."""
     from omnidraft_mlx.cli.main import err_console
 
     drafter = _load(draft, messages, raw)
-    if not _fits_context(drafter[0], len(drafter[2]), max_tokens):
+    if not _fits_context(drafter[0], len(drafter[2]), cfg):
         err_console.print(f"[yellow]note:[/] the prompt is too long for the drafter {draft}: plain decoding")
         return None
     return drafter

@@ -1,8 +1,12 @@
 """Flags several verbs share, defined once."""
 
+from __future__ import annotations
+
 import typer
 
 from omnidraft_mlx.decode.drafts import SOURCES
+from omnidraft_mlx.decode.policy import PolicyConfig, check_policy, parse_gamma
+from omnidraft_mlx.decode.speculative import SpecConfig
 from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 DRAFT = typer.Option(DEFAULT_DRAFT, "--draft", "-d", help="Drafter: catalog name, directory, .gguf or hub id.")
@@ -26,8 +30,9 @@ TREE = typer.Option(
 )
 NO_PROFILE = typer.Option(False, "--no-profile", help="Ignore and do not update the pair's saved profile.")
 
-# Decoding, as `generate` and `chat` take it.
+# Decoding, as `generate`, `chat` and `serve` take it (decoding() and draft_length() make the settings).
 K = typer.Option(4, "--k", "-k", help="Draft tokens per round.")
+MAX_K = typer.Option(None, "--max-k", help="Adaptive policies: most draft tokens per round (default: 8, or --k).")
 POLICY = typer.Option(
     "learned",
     "--policy",
@@ -43,5 +48,44 @@ GAMMA = typer.Option(
 TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy.")
 TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold.")
 SEED = typer.Option(0, "--seed", help="Random seed for sampling.")
+TRANSLATION = typer.Option("text", "--translation", help="Greedy draft translation: text or tokens.")
+SAMPLING = typer.Option("exact", "--sampling", help="Sampling mode: exact (lossless) or omnidraft (+n-grams).")
+LOOKUP_LEN = typer.Option(8, "--lookup-len", help="Most tokens a lookup in the text proposes.")
 SYSTEM = typer.Option(None, "--system", help="System prompt.")
 SHOW_DRAFT = typer.Option(False, "--show-draft", help="Colour the tokens that came from the drafter.")
+
+
+def decoding(
+    *,
+    k: int,
+    temp: float,
+    top_p: float,
+    max_tokens: int,
+    seed: int,
+    translation: str,
+    sampling: str,
+    lookup_len: int,
+    source: str,
+    no_guard: bool,
+    tree: bool,
+) -> SpecConfig:
+    """The decoding flags as settings, checked (a one-line error naming the flag): the same for every verb."""
+    return SpecConfig(
+        k=k,
+        temp=temp,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        seed=seed,
+        translation=translation,
+        sampling=sampling,
+        lookup_len=lookup_len,
+        sources=source,
+        guard=not no_guard,
+        tree=tree,
+    )
+
+
+def draft_length(policy: str, gamma: str, k: int, max_k: int | None) -> PolicyConfig:
+    """The draft-length flags as settings, checked; an adaptive policy's cap is at least --k unless given."""
+    max_k = max(k, PolicyConfig.max_k) if max_k is None else max_k
+    return PolicyConfig(name=check_policy(policy), k=k, max_k=max_k, gamma=parse_gamma(gamma))

@@ -28,7 +28,16 @@ def serve(
     k: int = options.K,
     policy: str = options.POLICY,
     gamma: str = options.GAMMA,
+    max_k: int | None = options.MAX_K,
     max_tokens: int = typer.Option(512, "--max-tokens", help="Reply length when a request does not say."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature when a request does not say; 0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold when a request does not say."),
+    seed: int = typer.Option(
+        0, "--seed", help="Random seed of a greedy request; a sampled one without a seed: random."
+    ),
+    translation: str = options.TRANSLATION,
+    sampling: str = options.SAMPLING,
+    lookup_len: int = options.LOOKUP_LEN,
     adapt: bool = typer.Option(
         True, "--adapt/--no-adapt", help="Update the drafter from the replies, between requests."
     ),
@@ -48,30 +57,36 @@ def serve(
     (/v1/chat/completions, /v1/completions)."""
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
-    from omnidraft_mlx.decode.policy import PolicyConfig, check_policy, parse_gamma
     from omnidraft_mlx.models.pull import CATALOG_RESOLVER
-    from omnidraft_mlx.serve.server import ServeConfig
+    from omnidraft_mlx.serve.config import ServeConfig
     from omnidraft_mlx.serve.server import serve as run_server
     from omnidraft_mlx.settings import check_range
 
     # The settings check themselves (one-line errors), before any model loads.
     check_range("--port", port, 1, 65535)
-    policy_cfg = PolicyConfig(
-        name=check_policy(policy), k=k, max_k=max(k, PolicyConfig.max_k), gamma=parse_gamma(gamma)
+    spec = options.decoding(
+        k=k,
+        temp=temp,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        seed=seed,
+        translation=translation,
+        sampling=sampling,
+        lookup_len=lookup_len,
+        source=source,
+        no_guard=no_guard,
+        tree=tree,
     )
     cfg = ServeConfig(
         draft=draft,
         target=target,
-        policy=policy_cfg,
-        max_tokens=max_tokens,
+        policy=options.draft_length(policy, gamma, k, max_k),
+        spec=spec,
         cache_bytes=cache_bytes,
         adapt=adapt,
         adapt_every=adapt_every,
         profile=not no_profile,
         api_key=api_key,
-        sources=source,
-        guard=not no_guard,
-        tree=tree,
         batch=batch,
     )
     warn_if_slow_blas(err_console)

@@ -17,14 +17,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omnidraft_mlx.decode.drafts import SOURCES, check_sources
 from omnidraft_mlx.decode.lookup import HistoryIndex
 from omnidraft_mlx.decode.policy import DraftPolicy
 from omnidraft_mlx.decode.promptcache import CacheUse, PromptCache
 from omnidraft_mlx.decode.scheduler import Scheduler
 from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.pair import Pair, context_length
+from omnidraft_mlx.pair import Pair, context_limit, reply_room
 from omnidraft_mlx.profile.atomic import atomic_write_text
 from omnidraft_mlx.prompts import encode_prompt
 from omnidraft_mlx.settings import check_settings, setting
@@ -35,20 +34,13 @@ ROLES = ("system", "user", "assistant")
 
 @dataclass(kw_only=True)
 class ChatConfig:
-    k: int = setting(4, flag="--k", low=1)
-    temp: float = setting(0.0, flag="--temp", low=0.0)
-    top_p: float = setting(1.0, flag="--top-p", low=0.0, high=1.0, open_low=True)
-    max_tokens: int = setting(512, flag="--max-tokens", low=1)
-    seed: int = 0
+    # Decoding: a reply's max_tokens is this one's or what the context leaves; its seed moves on each reply.
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(max_tokens=512))
     context: int | None = setting(None, flag="--context", low=64)  # cap on prompt + reply; None: the models' limit
     adapt: bool = True  # drafter updates from the replies (when a learner is attached)
     adapt_every: int = setting(4, flag="--adapt-every", low=1)  # replies gathered per drafter update
-    sources: tuple[str, ...] = SOURCES  # draft sources to choose from each round
-    guard: bool = True  # decode plainly while no source is expected to pay
-    tree: bool = False  # verify the drafter's next-best tokens beside its chain where that pays
 
     def __post_init__(self):
-        self.sources = check_sources(self.sources)
         check_settings(self)
 
 
@@ -124,23 +116,6 @@ def plain_step_seconds(model, prompt_ids: list[int], steps: int = 4) -> float:
     return statistics.median(times[1:])  # the first step warms up
 
 
-def add_stats(total: SpecStats, s: SpecStats) -> None:
-    for name in (
-        "prompt_tokens",
-        "prefill_s",
-        "generate_s",
-        "draft_s",
-        "verify_s",
-        "rounds",
-        "proposed",
-        "accepted",
-        "emitted",
-        "ngram_hits",
-        "draft_forwards",
-    ):
-        setattr(total, name, getattr(total, name) + getattr(s, name))
-
-
 @dataclass
 class Reply:
     """One reply in progress: stream() it, then hand it to ChatSession.finish()."""
@@ -197,8 +172,7 @@ class ChatSession:
         self.replies = 0
         self.ngrams_at_start = len(pair.ngrams)
         self.plain_step_s: float | None = None
-        limits = [context_length(pair.draft), context_length(pair.target), cfg.context]
-        self.limit = min(x for x in limits if x) if any(limits) else None
+        self.limit = context_limit((pair.draft, pair.target), cfg.context)
 
     def measure_plain_speed(self) -> float:
         ids = list(self.pair.target_tok.encode("Hello! Can you help me write a small function today?"))
@@ -213,38 +187,30 @@ class ChatSession:
         """Add the user's message, trimming the oldest turns until it fits the context."""
         self.conv.turns.append({"role": "user", "content": text})
         draft_ids, target_ids = self._encode()
-        notes, max_tokens = [], self.cfg.max_tokens
+        spec, notes = self.cfg.spec, []
+        max_tokens = spec.max_tokens
         if self.limit:
-            # Leave room for a reply (a quarter of the context at most), plus a draft block.
-            room = min(self.cfg.max_tokens, self.limit // 4) + self.cfg.k
-            dropped = 0
-            while max(len(draft_ids), len(target_ids)) + room > self.limit:
+            # Leave room for a reply: a quarter of the context at most.
+            wanted, dropped = min(spec.max_tokens, self.limit // 4), 0
+            while (room := reply_room(self.limit, [len(draft_ids), len(target_ids)], spec.k)) < wanted:
                 n = self.conv.drop_oldest_exchange()
                 if not n:
                     self.conv.turns.pop()
                     raise OmniDraftError(
                         f"this message is too long for the context ({max(len(draft_ids), len(target_ids))} "
-                        f"tokens of {self.limit}, {room} kept for the reply): shorten it"
+                        f"tokens of {self.limit}, {wanted + spec.k} kept for the reply): shorten it"
                     )
                 dropped += n
                 draft_ids, target_ids = self._encode()
             if dropped:
                 notes.append(f"context nearly full: the {dropped} oldest messages are no longer sent to the models")
-            max_tokens = min(max_tokens, self.limit - max(len(draft_ids), len(target_ids)) - self.cfg.k)
+            max_tokens = min(max_tokens, room)
         return Reply(draft_ids, target_ids, max_tokens, notes)
 
     def stream(self, reply: Reply) -> Iterator[tuple[str, bool]]:
         """Yield (text, drafted) per accepted target token, as verification commits them."""
-        cfg = SpecConfig(
-            k=self.cfg.k,
-            temp=self.cfg.temp,
-            top_p=self.cfg.top_p,
-            max_tokens=reply.max_tokens,
-            seed=self.cfg.seed + self.replies,
-            sources=self.cfg.sources,
-            guard=self.cfg.guard,
-            tree=self.cfg.tree,
-        )
+        spec = self.cfg.spec
+        cfg = spec.for_reply(max_tokens=reply.max_tokens, seed=spec.seed + self.replies)
         out = TextStream(self.pair.vmap.target_bytes)
         start = time.perf_counter()
         try:
@@ -277,15 +243,15 @@ class ChatSession:
             self.learner.observe(self.conv.latest(), reply.ids)
         self.conv.turns.append({"role": "assistant", "content": reply.text})
         self.replies += 1
-        add_stats(self.totals, reply.stats)
+        self.totals += reply.stats
         self.reply_stats.append(reply.stats)
         if self.on_save:
             self.on_save()
         if len(reply.ids) >= reply.max_tokens:
             return (
                 "stopped: the context is full"
-                if reply.max_tokens < self.cfg.max_tokens
-                else (f"stopped at --max-tokens {self.cfg.max_tokens}")
+                if reply.max_tokens < self.cfg.spec.max_tokens
+                else (f"stopped at --max-tokens {self.cfg.spec.max_tokens}")
             )
         return None
 

@@ -6,10 +6,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omnidraft_mlx.anatomy import context_length, vocab_size  # noqa: F401 - imported from here by callers
+from omnidraft_mlx.anatomy import context_length, vocab_size  # noqa: F401 - vocab_size imported from here by callers
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.vocab.ngram import NGramCache
 from omnidraft_mlx.vocab.tokenmap import VocabMap, build_vocab_map
+
+
+def context_limit(models, cap: int | None = None) -> int | None:
+    """The shortest context of `models` (and `cap`, a user's), where known: what a prompt and its reply share."""
+    limits = [x for x in (*(context_length(m) for m in models), cap) if x]
+    return min(limits) if limits else None
+
+
+def reply_room(limit: int | None, prompts: list[int], k: int) -> int | None:
+    """The context budget, one rule for every front end: the most tokens a reply may take after prompts of
+    these lengths (each model's encoding) in a context of `limit` (None: no known limit). The target's
+    cache ends at prompt + reply (a draft is cut to the tokens left), the drafter's runs a draft block
+    (k) ahead of the reply."""
+    return None if limit is None else limit - max(prompts) - k
 
 
 @dataclass

@@ -136,7 +136,7 @@ def test_a_long_conversation_stays_lossless_and_its_next_turn_finds_the_drafters
 
 def test_a_chat_turn_prefills_only_what_is_new(cross):
     """Six turns: each prefills the last reply and the new message, never the history before them."""
-    session, before = ChatSession(cross, ChatConfig(k=3, max_tokens=16, adapt=False)), 0
+    session, before = ChatSession(cross, ChatConfig(spec=SpecConfig(k=3, max_tokens=16), adapt=False)), 0
     for turn in range(6):
         reply = session.start(TURNS[turn % len(TURNS)])
         text = "".join(piece for piece, _ in session.stream(reply))

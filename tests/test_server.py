@@ -76,8 +76,8 @@ def test_openai_client_gets_the_targets_greedy_reply(client, model, tiny, tiny_d
     assert reply.usage.completion_tokens == len(ids) == 24
     assert reply.usage.prompt_tokens == len(encode_prompt(tiny["target"][1], messages))
     spec = reply.usage.speculative  # the extra field: what the drafter did
-    assert spec["proposed"] >= spec["accepted"] >= 0 and spec["target_forwards"] >= 1
-    assert spec["tokens_per_target_forward"] == pytest.approx(24 / spec["target_forwards"], abs=1e-3)
+    assert spec["proposed"] >= spec["accepted"] >= 0 and spec["rounds"] >= 1
+    assert spec["tokens_per_forward"] == pytest.approx(24 / spec["rounds"], abs=1e-3)
 
     stream = client.chat.completions.create(
         model=model, messages=messages, max_completion_tokens=24, stream=True, stream_options={"include_usage": True}

@@ -36,7 +36,7 @@ def test_responses_whole_and_streamed_are_the_targets_greedy_reply(client, tiny,
     assert reply.usage.output_tokens == len(ids) == 12
     assert reply.usage.input_tokens == len(encode_prompt(tiny["target"][1], messages))
     spec = reply.usage.speculative  # what the drafter did, as on the chat route
-    assert spec["proposed"] >= spec["accepted"] >= 0 and spec["target_forwards"] >= 1
+    assert spec["proposed"] >= spec["accepted"] >= 0 and spec["rounds"] >= 1
 
     events = list(
         client.responses.create(

@@ -14,7 +14,7 @@ from omnidraft_mlx.decode.policy import PolicyConfig
 from omnidraft_mlx.decode.speculative import SpecConfig
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.learn.distill import DistillConfig
-from omnidraft_mlx.serve.server import ServeConfig
+from omnidraft_mlx.serve.config import ServeConfig
 from omnidraft_mlx.settings import check_choice, check_range
 
 
@@ -49,7 +49,7 @@ def one_line_error(out) -> str:
         (["--translation", "bytes"], ("unknown --translation 'bytes': use text or tokens",)),
         (["--sampling", "greedy"], ("unknown --sampling 'greedy': use exact or omnidraft",)),
         (["--gamma", "1.5"], ("--gamma must be at least 0.0 and at most 1.0 (got 1.5)",)),
-        (["--k", "9"], ("--max-k must be at least 9 (got 8)",)),
+        (["--k", "9", "--max-k", "6"], ("--max-k must be at least 9 (got 6)",)),
     ],
 )
 def test_generate_rejects_bad_settings(pair_dirs, tmp_path, flags, says):
@@ -71,7 +71,11 @@ def test_plain_generate_rejects_bad_temperature(pair_dirs, tmp_path):
 def test_chat_and_bench_reject_bad_settings(pair_dirs, tmp_path):
     draft, target = (str(p) for p in pair_dirs)
     chat = omnidraft(tmp_path, "chat", "--draft", draft, "--target", target, "--top-p", "7")
-    assert "--top-p must be above 0.0 and at most 1.0 (got 7.0)" in one_line_error(chat)
+    assert "--top-p must be above 0 and at most 1 (got 7.0)" in one_line_error(chat)
+    chat = omnidraft(tmp_path, "chat", "--draft", draft, "--target", target, "--sampling", "greedy")
+    assert "unknown --sampling 'greedy': use exact or omnidraft" in one_line_error(chat)
+    serve = omnidraft(tmp_path, "serve", "--draft", draft, "--target", target, "--translation", "bytes")
+    assert "unknown --translation 'bytes': use text or tokens" in one_line_error(serve)
     chat = omnidraft(tmp_path, "chat", "--draft", draft, "--target", target, "--context", "10")
     assert "--context must be at least 64 (got 10)" in one_line_error(chat)
     chat = omnidraft(tmp_path, "chat", "--draft", draft, "--target", target, "--source", "drafter,ngram")
@@ -91,10 +95,11 @@ def test_chat_and_bench_reject_bad_settings(pair_dirs, tmp_path):
         (lambda: SpecConfig(top_p=1.5), "--top-p"),
         (lambda: SpecConfig(k=0), "--k"),
         (lambda: SpecConfig(max_tokens=0), "--max-tokens"),
-        (lambda: ChatConfig(temp=-1.0), "--temp"),
+        (lambda: ChatConfig(spec=SpecConfig(temp=-1.0)), "--temp"),
         (lambda: ChatConfig(adapt_every=0), "--adapt-every"),
-        (lambda: ChatConfig(sources="drafter,lookup"), "--source"),
-        (lambda: ServeConfig(draft="d", target="t", sources=()), "--source"),
+        (lambda: SpecConfig(sources="drafter,lookup"), "--source"),
+        (lambda: SpecConfig(sources=()), "--source"),
+        (lambda: SpecConfig().for_reply(top_p=0.0), "--top-p"),
         (lambda: PolicyConfig(name="greedy"), "--policy"),
         (lambda: PolicyConfig(name="learned", k=4, max_k=2), "--max-k"),
         (lambda: PolicyConfig(gamma=-0.1), "--gamma"),

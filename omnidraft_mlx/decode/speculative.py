@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import mlx.core as mx
 import numpy as np
@@ -57,6 +57,12 @@ class SpecConfig:
     def __post_init__(self):
         self.sources = check_sources(self.sources)
         check_settings(self)
+
+    def for_reply(self, **given) -> SpecConfig:
+        """These settings with one reply's own values where it gives them (None: not given), checked:
+        how every front end (a chat turn, an HTTP request, a bench row) makes a reply's settings
+        from its defaults."""
+        return replace(self, **{name: value for name, value in given.items() if value is not None})
 
 
 @dataclass
@@ -101,6 +107,25 @@ class SpecStats:
     def other_s(self) -> float:
         return max(0.0, self.generate_s - self.draft_s - self.verify_s)
 
+    def __add__(self, other: SpecStats) -> SpecStats:
+        """Two replies' statistics summed, every field (tallies by source and by round end merged):
+        the one sum that a chat's totals, an evaluation and a bench's aggregates use."""
+        total = SpecStats()
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, dict):
+                merged = {key: _sum(mine.get(key), theirs.get(key)) for key in {**mine, **theirs}}
+                setattr(total, f.name, merged)
+            else:
+                setattr(total, f.name, mine + theirs)
+        return total
+
+    def record(self) -> dict:
+        """Every field and the figures made from them, JSON-ready: how statistics are written out
+        (a bench row, an adaptation record, the server's usage)."""
+        derived = ("acceptance", "nodes_per_round", "tokens_per_forward", "tokens_per_s", "other_s")
+        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
+
     def add_round(self, draft: Draft, tree: TokenTree, path: list[int], draft_s: float, verify_s: float) -> None:
         on_chain = tree.on_chain(path)
         self.rounds += 1
@@ -121,6 +146,13 @@ class SpecStats:
         counts = self.by_source.setdefault(draft.source.split(":")[0], [0, 0, 0])
         for i, x in enumerate((1, len(tree.tokens), len(path))):
             counts[i] += x
+
+
+def _sum(a, b):
+    """Two tallies summed (a count or a list of counts), either possibly missing."""
+    if a is None or b is None:
+        return b if a is None else a
+    return [x + y for x, y in zip(a, b)] if isinstance(a, list) else a + b
 
 
 def target_probs(logits: mx.array, temp: float, top_p: float) -> np.ndarray:

@@ -418,11 +418,7 @@ def learn_speculative(
         records.append(
             {
                 "position": idx + 1,
-                "acceptance": stats.acceptance,
-                "proposed": stats.proposed,
-                "accepted": stats.accepted,
-                "tokens_per_forward": stats.tokens_per_forward,
-                "tokens": stats.emitted,
+                **stats.record(),
                 "ngrams": len(pair.ngrams),
                 "updates": learner.updates,
                 "reply": reply,
@@ -602,8 +598,7 @@ def evaluate(
             pair, encode_prompt(pair.draft_tok, msgs), encode_prompt(pair.target_tok, msgs), cfg, stats
         ):
             pass
-        for name in ("proposed", "accepted", "emitted", "rounds", "generate_s"):
-            setattr(total, name, getattr(total, name) + getattr(stats, name))
+        total += stats
     return {
         "prompts": len(prompts),
         "acceptance": total.acceptance,

@@ -38,7 +38,7 @@ from omnidraft_mlx.serve.request import Decoder, Job, Prefill, Running
 from omnidraft_mlx.serve.schema import ApiError
 
 if TYPE_CHECKING:
-    from omnidraft_mlx.serve.server import ServeConfig
+    from omnidraft_mlx.serve.config import ServeConfig
 
 log = logging.getLogger("omnidraft.serve")
 IDLE_S = 0.5  # queue empty this long: save what was learned, run a due drafter update
@@ -92,7 +92,7 @@ class Engine:
         from omnidraft_mlx.decode.promptcache import PromptCache
         from omnidraft_mlx.decode.scheduler import Scheduler
         from omnidraft_mlx.loading import open_pair
-        from omnidraft_mlx.pair import context_length
+        from omnidraft_mlx.pair import context_limit
 
         cfg = self.cfg
         # The profile's adapter goes into the drafter: fused, or trainable when learning goes on.
@@ -106,11 +106,16 @@ class Engine:
         )
         pair, profile = opened.pair, opened.profile
         learner = make_learner(pair, profile, cfg.adapt_every) if cfg.adapt else None
-        limits = [x for x in (context_length(pair.draft), context_length(pair.target)) if x]
         prompt_cache = PromptCache(cfg.cache_bytes)
         # The scheduler measures which draft source pays, across requests.
         self.decoder = Decoder(
-            cfg, pair, opened.policy, opened.history, Scheduler(), prompt_cache, min(limits) if limits else None
+            cfg,
+            pair,
+            opened.policy,
+            opened.history,
+            Scheduler(),
+            prompt_cache,
+            context_limit((pair.draft, pair.target)),
         )
         self.learning = Learning(pair, profile, learner, prompt_cache)
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from omnidraft_mlx.decode.drafter import draft_context
 from omnidraft_mlx.decode.promptcache import CacheUse
 from omnidraft_mlx.failpoints import armed, failpoint
+from omnidraft_mlx.pair import reply_room
 from omnidraft_mlx.serve.logprobs import token_logprobs
 from omnidraft_mlx.serve.schema import ApiError, ChatRequest, Sampling, stop_strings
 from omnidraft_mlx.serve.text import ReplyText
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from omnidraft_mlx.decode.scheduler import Scheduler
     from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats
     from omnidraft_mlx.pair import Pair
-    from omnidraft_mlx.serve.server import ServeConfig
+    from omnidraft_mlx.serve.config import ServeConfig
 
 
 @dataclass
@@ -96,32 +97,24 @@ class Decoder:
 
     def prepare(self, messages: list[dict], raw: bool, req: Sampling, loop) -> Job:
         """Encode a request for both models and check it against the context (any thread)."""
-        from omnidraft_mlx.decode.speculative import SpecConfig
-
-        cfg, chat = self.cfg, isinstance(req, ChatRequest)
+        spec, chat = self.cfg.spec, isinstance(req, ChatRequest)
         with self.encoding:
             tools = plan_tools(req, self.encoder.target_tok) if chat else ToolPlan()
             draft_ids, target_ids = encode(self.encoder, messages, raw, tools)
-        longest = max(len(draft_ids), len(target_ids))
-        room = self.limit - longest - cfg.policy.k - 1 if self.limit else None
+        room = reply_room(self.limit, [len(draft_ids), len(target_ids)], spec.k)
         if room is not None and room < 1:
             raise ApiError(
                 400,
-                f"the prompt is {longest} tokens and this model's context is {self.limit} tokens: shorten the prompt",
+                f"the prompt is {max(len(draft_ids), len(target_ids))} tokens and this model's context is "
+                f"{self.limit} tokens: shorten the prompt",
                 "messages" if not raw else "prompt",
                 "context_length_exceeded",
             )
-        max_tokens = req.max_completion_tokens or req.max_tokens or cfg.max_tokens
-        seed = req.seed if req.seed is not None else (secrets.randbits(31) if req.temperature > 0 else 0)
-        spec = SpecConfig(
-            k=cfg.policy.k,
-            temp=req.temperature,
-            top_p=req.top_p,
-            seed=seed,
-            max_tokens=min(max_tokens, room) if room is not None else max_tokens,
-            sources=cfg.sources,
-            guard=cfg.guard,
-            tree=cfg.tree,
+        max_tokens = req.max_completion_tokens or req.max_tokens or spec.max_tokens
+        temp = req.temperature if req.temperature is not None else spec.temp
+        seed = req.seed if req.seed is not None else (secrets.randbits(31) if temp > 0 else spec.seed)
+        spec = spec.for_reply(
+            temp=temp, top_p=req.top_p, seed=seed, max_tokens=min(max_tokens, room) if room is not None else max_tokens
         )
         logprobs = (req.top_logprobs or 0) if chat and req.logprobs else None
         label = json.dumps(messages, default=str) if armed() else ""
@@ -182,14 +175,9 @@ class Decoder:
         """usage.speculative: what the drafter did for one reply."""
         return {
             "draft_model": self.cfg.draft,
-            "proposed": stats.proposed,
-            "accepted": stats.accepted,
-            "acceptance": round(stats.acceptance, 4),
-            "target_forwards": stats.rounds,
-            "tokens_per_target_forward": round(stats.tokens_per_forward, 3),
+            **stats.record(),
             "draft_cached_tokens": use.draft_tokens,
             "time_to_first_token_s": round(ttft or 0.0, 4),
-            "tokens_per_s": round(stats.tokens_per_s, 2),
         }
 
 

@@ -96,8 +96,9 @@ class Sampling(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)  # greedy unless asked: lossless and reproducible
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # Not given: the server's --temp / --top-p (greedy by default: lossless and reproducible).
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0)  # best effort: a sample also depends on the drafts (the policy learns)
     stop: str | list[str] | None = None
     stream: bool = False

@@ -4,6 +4,7 @@ This module starts it: the engine (engine.py) loads the pair and decodes
 in the main thread, the HTTP server (uvicorn, serving routes.py's app)
 runs in another; Ctrl-C or SIGTERM stops both, and what the pair learned is
 saved. The parts, each its own module in serve/:
+  config.py      the server's settings (ServeConfig)
   schema.py      the OpenAI request bodies, checked; ApiError
   routes.py      the FastAPI app: routes, error bodies, the API key
   replies.py     a job's events as one JSON reply or server-sent events
@@ -24,37 +25,12 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 
-from omnidraft_mlx.decode.drafts import SOURCES, check_sources
-from omnidraft_mlx.decode.policy import PolicyConfig
-from omnidraft_mlx.decode.promptcache import DEFAULT_CACHE_BYTES
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.paths import LOCAL, Resolver
+from omnidraft_mlx.serve.config import ServeConfig
 from omnidraft_mlx.serve.engine import Engine
 from omnidraft_mlx.serve.routes import make_app
-from omnidraft_mlx.settings import check_settings, setting
-
-
-@dataclass(kw_only=True)
-class ServeConfig:
-    draft: str
-    target: str
-    policy: PolicyConfig = field(default_factory=PolicyConfig)  # draft length; its k is the draft block
-    max_tokens: int = setting(512, flag="--max-tokens", low=1)  # a request's default reply length
-    cache_bytes: int = setting(DEFAULT_CACHE_BYTES, flag="--cache-bytes", low=0)
-    adapt: bool = True  # drafter updates between requests
-    adapt_every: int = setting(4, flag="--adapt-every", low=1)  # replies gathered per drafter update
-    profile: bool = True  # load and save the pair's profile
-    api_key: str | None = None
-    sources: tuple[str, ...] = SOURCES  # draft sources to choose from each round
-    guard: bool = True  # decode plainly while no source is expected to pay
-    tree: bool = False  # verify the drafter's next-best tokens beside its chain where that pays
-    batch: int = setting(8, flag="--batch", low=1)  # requests decoded together (one target forward verifies all)
-
-    def __post_init__(self):
-        self.sources = check_sources(self.sources)
-        check_settings(self)
 
 
 def serve(
