@@ -24,10 +24,14 @@ copied), and a rollback takes the one at the accepted length:
 
 mlx-lm's layers are used as they are: they read their cache (StepsCache, an
 ArraysCache that notes which of its slots was read last), call the convolution and
-the recurrence functions (wrapped here in the layers' modules, acting only right
-after a StepsCache was read) and write the final states back; `advance(T)` closes
-the layer's forward (the few blocks that do not call it get a small adapter class
-that does: ADAPTERS). A StepsCache also keeps the states at the last few offsets it
+the recurrence functions and write the final states back; `advance(T)` closes the
+layer's forward (the few blocks that do not call it get a small adapter class that
+does: ADAPTERS). Only a prepared model's own layers keep steps: each takes a subclass
+whose methods that call a recurrence are copies looking it up in a copy of their
+module's globals, where it is wrapped (acting only right after a StepsCache was read);
+mlx-lm's modules, their functions and every other model stay as they are. What is
+wrapped or overridden must have the parameters it has in the mlx-lm version known here
+(KNOWN, MLX_LM): prepare() refuses another in one line. A StepsCache also keeps the states at the last few offsets it
 passed through (references, no copies), so a drafter's one-token forwards roll back
 too. Rolling back further than that is refused (`can_trim`); KVSlot then starts
 the sequence afresh where its caller feeds it again.
@@ -39,20 +43,44 @@ depend on its own path.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import version
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import gated_delta, ssm
+from mlx_lm.models import ssm
 from mlx_lm.models.cache import ArraysCache, CacheList
 
 from omnidraft_mlx.errors import OmniDraftError
 
 HISTORY = 16  # offsets whose states a StepsCache keeps (one-token forwards: a drafter's draft)
 RECORD_MAX = 64  # forwards longer than this (prompt processing) keep only their last state
+
+MLX_LM = "mlx-lm>=0.32.0,<0.33"  # the versions whose recurrences KNOWN describes (pyproject.toml pins the same)
+# What this module wraps, overrides or calls in mlx-lm, with its parameters there: one that differs
+# would keep wrong steps or none, so prepare() refuses it (known()).
+KNOWN = {
+    "gated_delta.gated_delta_update": "q k v a b A_log dt_bias state mask use_kernel lower_bound allow_neg_eigval",
+    "gated_delta.gated_delta_ops": "q k v g beta state mask",
+    "gated_delta._gated_delta_step_ops": "q k v g beta state mask",
+    "ssm.ssm_update": "hidden_states A_log B C D dt dt_bias state time_step_limit mask lengths",
+    "ssm.compute_dt": "dt dt_bias time_step_limit",
+    "recurrent_gemma.rnn_scan": "x a h0",
+    "recurrent_gemma.Conv1d.__call__": "self x cache",
+    "bailing_moe_linear.recurrent_gla": "q k v g scale h",
+    "bailing_hybrid.recurrent_gla": "q k v g scale h mask chunk",
+    "mamba.MambaBlock.ssm_step": "self x A state",
+    "jamba.JambaMambaMixer.ssm_step": "self x A state",
+    "rwkv7.TokenShift.__call__": "self x state",
+    "rwkv7.Rwkv7TimeMixing._wkv7": "self r w k v a b state",
+    "rwkv7._wkv7_step_ops": "r w k v a b state",
+    "longcat_flash_ngram.NgramEmbedding.__call__": "self input_ids cache",
+}
 
 _read: tuple | None = None  # (StepsCache, slot) read last: the layer about to run its recurrence
 
@@ -276,8 +304,17 @@ def _collecting_step(step):
             _steps.append(state)
         return y, state
 
-    collect.steps_wrapped = True
     return collect
+
+
+def _stepping(update):
+    """A copy of gated_delta_update whose ops path hands each step's state to `_steps`: it and
+    gated_delta_ops look their globals up in a copy of gated_delta's, its step function wrapped."""
+    module = sys.modules[update.__module__]
+    scope = dict(vars(module))
+    scope["_gated_delta_step_ops"] = _collecting_step(known(module, "_gated_delta_step_ops"))
+    scope["gated_delta_ops"] = _rebound(known(module, "gated_delta_ops"), scope)
+    return _rebound(update, scope)
 
 
 def _kernel_rows() -> bool:
@@ -303,7 +340,7 @@ def _gated_delta_rows(update, call) -> tuple[mx.array, mx.array, list]:
 
 def _keeping_gated_delta(update):
     """gated_delta_update that, after a StepsCache read, records the state after each position."""
-    signature = inspect.signature(update)
+    signature, stepping = inspect.signature(update), _stepping(update)
 
     def keeping(*args, **kwargs):
         global _steps
@@ -319,14 +356,13 @@ def _keeping_gated_delta(update):
         else:
             _steps = []
             try:
-                y, state = update(**{**call, "use_kernel": False})
+                y, state = stepping(**{**call, "use_kernel": False})
                 steps = _steps  # each step's state: computed by the ops path anyway, kept by reference
             finally:
                 _steps = None
         to[0].record(to[1], Steps(len(steps), lambda m: steps[m - 1]))
         return y, state
 
-    keeping.steps_wrapped = True
     return keeping
 
 
@@ -345,6 +381,7 @@ def ssm_state(x, A_log, B, C, D, dt, dt_bias, state=None, time_step_limit=(0.001
 def _keeping_ssm(update):
     """ssm_update that, after a StepsCache read, records the state after each position."""
     signature = inspect.signature(update)
+    known(ssm, "compute_dt")  # ssm_state's
 
     def keeping(*args, **kwargs):
         out = update(*args, **kwargs)
@@ -353,7 +390,6 @@ def _keeping_ssm(update):
             to[0].record(to[1], Steps(n, lambda m: out[1] if m == n else ssm_state(*args, **kwargs, m=m)))
         return out
 
-    keeping.steps_wrapped = True
     return keeping
 
 
@@ -366,7 +402,6 @@ def _keeping_rnn_scan(scan):
             to[0].record(to[1], Steps(n, lambda m: last if m == n else y[:, m - 1]))
         return y, last
 
-    keeping.steps_wrapped = True
     return keeping
 
 
@@ -389,7 +424,6 @@ def _keeping_gla(gla):
             to[0].record(to[1], Steps(n, lambda m: last if m == n else at(m)))
         return y, last
 
-    keeping.steps_wrapped = True
     return keeping
 
 
@@ -399,6 +433,57 @@ WRAPPERS = {
     "rnn_scan": _keeping_rnn_scan,
     "recurrent_gla": _keeping_gla,
 }
+_scopes: dict[str, dict] = {}  # an mlx-lm module's name -> its globals, copied, its recurrences wrapped
+
+
+def _scope(module_name: str) -> dict:
+    if module_name not in _scopes:
+        module = sys.modules[module_name]
+        scope = dict(vars(module))
+        for name, wrap in WRAPPERS.items():
+            if name in scope:
+                scope[name] = wrap(known(module, name))
+        _scopes[module_name] = scope
+    return _scopes[module_name]
+
+
+def _rebound(f, scope: dict):
+    """A copy of function f that looks its globals up in `scope` (f keeps its module's)."""
+    copy = types.FunctionType(f.__code__, scope, f.__name__, f.__defaults__, f.__closure__)
+    copy.__kwdefaults__ = f.__kwdefaults__
+    return functools.update_wrapper(copy, f)
+
+
+def _names(code) -> set[str]:
+    """The global and attribute names a function's code uses, its nested functions' included."""
+    return set(code.co_names).union(*(_names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
+
+
+def _keeping(cls) -> type:
+    """cls, or (a method of it calls a recurrence) a subclass whose such methods are copies calling
+    it wrapped (_scope): only instances given the subclass keep steps."""
+    methods, seen = {}, set()
+    for klass in cls.__mro__:
+        for name, f in vars(klass).items():
+            if name not in seen and isinstance(f, types.FunctionType) and f.__module__.startswith("mlx_lm."):
+                if WRAPPERS.keys() & _names(f.__code__):
+                    methods[name] = _rebound(f, _scope(f.__module__))
+            seen.add(name)
+    return type(cls.__name__, (cls,), {**methods, "__module__": cls.__module__}) if methods else cls
+
+
+def known(owner, name: str):
+    """owner's `name` (owner: an mlx-lm module or class), if its parameters are the ones KNOWN has."""
+    f = getattr(owner, name, None)
+    where = f"{owner.__name__ if isinstance(owner, types.ModuleType) else owner.__module__}.{name}"
+    key = (where if f is None else f"{f.__module__}.{f.__qualname__}").removeprefix("mlx_lm.models.")
+    have = None if f is None else " ".join(inspect.signature(f).parameters)
+    if have is None or KNOWN.get(key) != have:
+        raise OmniDraftError(
+            f"mlx-lm {version('mlx-lm')}'s {key} is {'missing' if have is None else f'({have})'}, not what "
+            f"recurrent rollback was written for ({KNOWN.get(key)}): install {MLX_LM} (pip install '{MLX_LM}')"
+        )
+    return f
 
 
 def _advancing(block):
@@ -417,6 +502,7 @@ def _advancing(block):
 
 def _mamba1(block):
     """Mamba-1's block (mamba.py): its scan steps a method per position; each step's state kept."""
+    known(block, "ssm_step")
 
     class Mamba1(_advancing(block)):
         def ssm_step(self, x, A, state=None):
@@ -442,6 +528,7 @@ def _mamba1(block):
 
 def _gemma_conv(conv):
     """RecurrentGemma's own Conv1d: it pads inside, so the padded input is rebuilt to be kept."""
+    known(conv, "__call__")
 
     class GemmaConv(conv):
         def __call__(self, x, cache=None):
@@ -455,6 +542,7 @@ def _gemma_conv(conv):
 
 def _token_shift(shift):
     """RWKV-7's token shift: its state after m inputs is the m-th input."""
+    known(shift, "__call__")
 
     class TokenShift(shift):
         def __call__(self, x, state):
@@ -466,6 +554,7 @@ def _token_shift(shift):
 
 def _rwkv7_time_mixing(mixing):
     """RWKV-7's time mixing: its wkv recurrence stepped by mlx-lm's own step op, each state kept."""
+    known(mixing, "_wkv7")
 
     class TimeMixing(mixing):
         def _wkv7(self, r, w, k, v, a, b, state):
@@ -485,13 +574,14 @@ def _rwkv7_time_mixing(mixing):
             to[0].record(to[1], Steps(len(states), lambda m: states[m - 1]))
             return mx.stack(ys, axis=1).astype(r.dtype), state
 
-    rwkv7_step = sys.modules[mixing.__module__]._wkv7_step_ops
+    rwkv7_step = known(sys.modules[mixing.__module__], "_wkv7_step_ops")
     return TimeMixing
 
 
 def _jamba_mixer(mixer):
     """Jamba's Mamba mixer scans all positions in one call that returns the last state only: the
     state after m positions is the same scan over the first m of its inputs, run on rollback."""
+    known(mixer, "ssm_step")
 
     class JambaMixer(_advancing(mixer)):
         def ssm_step(self, x, A, state=None):
@@ -506,6 +596,7 @@ def _jamba_mixer(mixer):
 
 def _token_window(embedding):
     """LongCat's n-gram embedding: its state is the last n - 1 token ids, the window ending at m."""
+    known(embedding, "__call__")
 
     class TokenWindow(embedding):
         def __call__(self, input_ids, cache=None):
@@ -536,17 +627,16 @@ ADAPTERS = {
     ("rwkv7", "TokenShift"): _token_shift,
     ("rwkv7", "Rwkv7TimeMixing"): _rwkv7_time_mixing,
 }
-_adapted: dict[type, type] = {}
+_prepared: dict[type, type] = {nn.Conv1d: StepsConv1d}  # mlx-lm's class -> its instances' in a prepared model
 
 
-def _adapter(m) -> type | None:
-    cls = type(m)
-    if cls not in _adapted:
+def _prepared_class(cls) -> type:
+    """The class an instance of cls takes in a prepared model: cls keeping its recurrence's steps
+    (_keeping), adapted where it needs to be (ADAPTERS); cls itself where nothing applies."""
+    if cls not in _prepared and cls not in _prepared.values():
         make = ADAPTERS.get((cls.__module__.rsplit(".", 1)[-1], cls.__name__))
-        if make is None:
-            return None
-        _adapted[cls] = make(cls)
-    return _adapted[cls]
+        _prepared[cls] = _keeping(cls) if make is None else make(_keeping(cls))
+    return _prepared.get(cls, cls)
 
 
 def _supported(module) -> bool:
@@ -564,23 +654,15 @@ def _supported(module) -> bool:
 
 
 def prepare(model) -> bool:
-    """Make `model`'s recurrent layers keep their steps (idempotent); False when a layer's
-    recurrence is one this module does not know (its caches stay mlx-lm's: no speculation)."""
+    """Make `model`'s recurrent layers keep their steps (idempotent; its own layers only); False when
+    a layer's recurrence is one this module does not know (its caches stay mlx-lm's: no speculation).
+    An mlx-lm whose recurrences differ from KNOWN's: OmniDraftError, the model left as it was."""
     modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__module__.startswith("mlx_lm.")}
     if not all(_supported(m) for m in modules if getattr(m, "ArraysCache", None) is ArraysCache):
         return False
-    if not getattr(gated_delta._gated_delta_step_ops, "steps_wrapped", False):
-        gated_delta._gated_delta_step_ops = _collecting_step(gated_delta._gated_delta_step_ops)
-    for module in modules:
-        for name, wrap in WRAPPERS.items():
-            f = getattr(module, name, None)
-            if f is not None and not getattr(f, "steps_wrapped", False):
-                setattr(module, name, wrap(f))
-    for m in model.modules():
-        if type(m) is nn.Conv1d:
-            m.__class__ = StepsConv1d
-        elif (adapted := _adapter(m)) is not None:
-            m.__class__ = adapted
+    classes = [(m, _prepared_class(type(m))) for m in model.modules()]  # all made (or refused) first
+    for m, cls in classes:
+        m.__class__ = cls
     return True
 
 
