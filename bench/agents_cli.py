@@ -613,8 +613,10 @@ def main(argv: list[str] | None = None) -> None:
         "server_exit": code,
         "agents": runs,
     }
-    atomic_write_text(args.out / "agents_cli.json", json.dumps(result, indent=1))
-    atomic_write_text(args.out / "README.md", readme(result))
+    # The agents' tool calls name files by absolute path: the record says them from the checkout's root.
+    root = str(Path.cwd().resolve()) + os.sep
+    atomic_write_text(args.out / "agents_cli.json", json.dumps(result, indent=1).replace(root, ""))
+    atomic_write_text(args.out / "README.md", readme(result).replace(root, ""))
     print(readme(result))
 
 

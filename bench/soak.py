@@ -305,7 +305,10 @@ def main(argv=None) -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="omnidraft-soak-"))  # a new machine's: the user's profile untouched
-    draft, target = CATALOG_RESOLVER.path(args.draft), CATALOG_RESOLVER.path(args.target)
+    for name in (args.draft, args.target):  # its models as if pulled there: named, never a path of this machine
+        (home / "models").mkdir(exist_ok=True)
+        (home / "models" / name).symlink_to(CATALOG_RESOLVER.path(name))
+    draft, target = args.draft, args.target
     key = "soak-key"
     prompts = Prompts(args.chat_prompts, args.long_examples)
     env = {"OMNIDRAFT_HOME": str(home)}

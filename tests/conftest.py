@@ -1,6 +1,7 @@
 import hashlib
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -9,6 +10,16 @@ from mlx_lm import load
 from tiny_models import build_tiny_models
 
 from omnidraft_mlx.pair import make_pair
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_interrupts():
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt in every test, however the suite was started: a
+    background job (nohup, `&` in a script) starts with SIGINT ignored, and Python then installs no
+    handler; tests that interrupt themselves, and the children they start, rely on it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def _built_once(name: str, build) -> Path:
