@@ -3,22 +3,30 @@ is exact: the state after a rollback equals a forward over only the accepted tok
 greedy output equals mlx-lm's plain decoding, with drafts the target often rejects."""
 
 import importlib
+import itertools
+import re
+import sys
+from importlib.metadata import version
+from pathlib import Path
 
 import architectures
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from packaging.requirements import Requirement
 
 from omnidraft_mlx.decode import recurrent
 from omnidraft_mlx.decode.batch import batch_forward
 from omnidraft_mlx.decode.kvcache import KVSlot
-from omnidraft_mlx.decode.layouts import batch_layout
+from omnidraft_mlx.decode.layouts import batch_layout, forward_tree
 from omnidraft_mlx.decode.promptcache import CacheUse, PromptCache
 from omnidraft_mlx.decode.recurrent import StepsCache, layers
 from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats, decode_together, speculative_generate
 from omnidraft_mlx.decode.tree import TokenTree
+from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import make_pair
 
 V = 600  # the tiny target tokenizer's vocabulary
@@ -215,7 +223,7 @@ def test_state_after_rollback_equals_forward_over_accepted(family):
     slot.extend(model, ids[:5])
     for accepted in (3, 0, 6, 1):  # of 6 draft tokens: rollbacks into the verify forward, to either end of it
         n = len(slot.tokens)
-        slot.forward_tree(model, ids[n], TokenTree.of(ids[n + 1 : n + 7]))
+        forward_tree(model, slot, ids[n], TokenTree.of(ids[n + 1 : n + 7]))
         slot.rewind(n + 1 + accepted)
         ref = KVSlot.fresh(model)
         ref.extend(model, ids[: n + 1 + accepted])
@@ -235,7 +243,7 @@ def test_rollback_from_a_fresh_cache(family):
     ids = np.random.default_rng(2).integers(0, VOCAB, 8).tolist()
     slot, ref = KVSlot.fresh(model), KVSlot.fresh(model)
     tree = TokenTree.of(ids[1:6])
-    slot.forward_tree(model, ids[0], tree)
+    forward_tree(model, slot, ids[0], tree)
     slot.keep_path(tree, [0, 1])
     ref.extend(model, ids[:3])
     assert slot.tokens == ref.tokens
@@ -251,7 +259,7 @@ def test_mlx_lm_caches_on_the_same_model_leave_a_rollback_alone(family):
     ids = np.random.default_rng(3).integers(0, VOCAB, 12).tolist()
     slot, ref = KVSlot.fresh(model), KVSlot.fresh(model)
     slot.extend(model, ids[:5])
-    slot.forward_tree(model, ids[5], TokenTree.of(ids[6:10]))
+    forward_tree(model, slot, ids[5], TokenTree.of(ids[6:10]))
     kept = [dict(s.steps[2]) for c in slot.cache for s in layers(c) if isinstance(s, StepsCache)]
     mx.eval(model(mx.array([ids[:3]]), cache=make_prompt_cache(model)))
     assert kept == [s.steps[2] for c in slot.cache for s in layers(c) if isinstance(s, StepsCache)]
@@ -316,7 +324,7 @@ def test_batched_rows_keep_their_own_states(family):
     assert batch_layout(model) is not None
     outs = batch_forward(model, slots, roots, trees, batch_layout(model))
     for slot, ref, root, tree, out, keep in zip(slots, alone, roots, trees, outs, (2, 0, 3)):
-        want = ref.forward_tree(model, root, tree)
+        want = forward_tree(model, ref, root, tree)
         assert mx.allclose(out, want, atol=1e-4).item()
         slot.rewind(len(slot.tokens) - len(tree.tokens) + keep)
         ref.rewind(len(ref.tokens) - len(tree.tokens) + keep)
@@ -360,3 +368,76 @@ def test_batched_and_tree_requests_equal_plain_decoding(family, tok, tiny):
     for p, out, s in zip(prompts, outs, stats):
         assert out == plain(target, p, len(out))
         assert s.branched == 0 and s.proposed > s.accepted
+
+
+def mlx_lm_recurrences() -> dict:
+    """What recurrent.py wraps or steps, as every loaded mlx-lm module has it: (module, name) -> object."""
+    names = [*recurrent.WRAPPERS, "gated_delta_ops", "_gated_delta_step_ops", "_wkv7_step_ops"]
+    modules = [(n, m) for n, m in list(sys.modules.items()) if n.startswith("mlx_lm.models.")]
+    return {(n, name): getattr(m, name) for n, m in modules for name in names if hasattr(m, name)}
+
+
+def round_robin(runs: list) -> list[list]:
+    """Each generator's items, taken one from each in turn: their forwards interleave in one process."""
+    items = [[] for _ in runs]
+    for step in itertools.zip_longest(*runs):
+        for got, item in zip(items, step):
+            if item is not None:
+                got.append(item)
+    return items
+
+
+def test_pairs_and_plain_mlx_lm_in_one_process_each_their_own(tok, tiny):
+    """A hybrid pair, an attention pair and mlx-lm's own generate_step on an unprepared copy of the
+    hybrid target, interleaved in one process: each gives its own output (speculation: plain greedy),
+    the copy the same before and after, and mlx-lm's modules and the copy's classes stay mlx-lm's."""
+    originals = mlx_lm_recurrences()
+    assert originals and all(f.__module__.startswith("mlx_lm.models.") for f in originals.values())
+    hybrid, copy, n = build("qwen3_next"), build("qwen3_next"), 16
+    ids = tok.encode(PROMPTS[0])
+    alone = plain(copy, ids, n)
+    pairs = [make_pair(build("qwen3_next", noise=0.1), tok, hybrid, tok), make_pair(*tiny["same"], *tiny["target"])]
+    cfg = SpecConfig(k=4, max_tokens=n, sources=("drafter", "context"), guard=False)
+    stats = [SpecStats() for _ in pairs]
+    runs = [speculative_generate(pair, ids, ids, cfg, s) for pair, s in zip(pairs, stats)]
+    beside = generate_step(mx.array(ids), copy, max_tokens=n, prompt_cache=make_prompt_cache(copy))
+    *spec, beside = round_robin([*runs, beside])
+    for pair, steps, s in zip(pairs, spec, stats):
+        out = [t for new, _ in steps for t in new]
+        assert out == plain(pair.target, ids, len(out)) and s.accepted < s.proposed
+    assert [int(t) for t, _ in beside] == alone == plain(copy, ids, n) == plain(hybrid, ids, n)
+    assert [type(m) for m in copy.modules()] == [type(m) for m in build("qwen3_next").modules()]
+    assert [type(m) for m in hybrid.modules()] != [type(m) for m in copy.modules()]  # prepared: its own only
+    now = mlx_lm_recurrences()
+    assert all(now[key] is f for key, f in originals.items())
+    assert all(f.__module__.startswith("mlx_lm.models.") for f in now.values())
+
+
+def test_installed_mlx_lm_is_the_pinned_one_with_the_known_recurrences():
+    """A new mlx-lm fails here first: pyproject.toml bounds it above, as recurrent.MLX_LM says; the
+    installed one is in that range; and all recurrent.py wraps or overrides has the parameters it knows."""
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    pin = Requirement(re.search(r'^\s*"(mlx-lm\W[^"]*)"', pyproject, re.M)[1])
+    assert pin.specifier == Requirement(recurrent.MLX_LM).specifier
+    assert any(s.operator == "<" for s in pin.specifier) and version("mlx-lm") in pin.specifier
+    for key in recurrent.KNOWN:
+        module, *path = key.split(".")
+        owner = importlib.import_module(f"mlx_lm.models.{module}")
+        for name in path[:-1]:
+            owner = getattr(owner, name)
+        assert recurrent.known(owner, path[-1]) is getattr(owner, path[-1])
+
+
+def test_an_mlx_lm_with_other_recurrences_is_refused_in_one_line(monkeypatch):
+    """A recurrence whose parameters are not the ones recurrent.py knows (as in another mlx-lm): one
+    line naming it and the versions to install, the model left as it was."""
+    monkeypatch.setattr(recurrent, "_scopes", {})  # nothing wrapped nor made yet: as in a fresh process
+    monkeypatch.setattr(recurrent, "_prepared", {nn.Conv1d: recurrent.StepsConv1d})
+    monkeypatch.setitem(recurrent.KNOWN, "ssm.ssm_update", "hidden_states A_log B C D dt dt_bias state")
+    model = build("mamba2")
+    classes = [type(m) for m in model.modules()]
+    with pytest.raises(OmniDraftError, match=r"ssm\.ssm_update is \(hidden_states .* lengths\).*mlx-lm>=0\.32") as e:
+        recurrent.prepare(model)
+    assert "\n" not in str(e.value) and [type(m) for m in model.modules()] == classes
+    with pytest.raises(OmniDraftError, match="MambaBlock.ssm_steps is missing"):
+        recurrent.known(importlib.import_module("mlx_lm.models.mamba").MambaBlock, "ssm_steps")

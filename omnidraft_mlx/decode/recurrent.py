@@ -475,13 +475,13 @@ def _keeping(cls) -> type:
 def known(owner, name: str):
     """owner's `name` (owner: an mlx-lm module or class), if its parameters are the ones KNOWN has."""
     f = getattr(owner, name, None)
-    where = f"{owner.__name__ if isinstance(owner, types.ModuleType) else owner.__module__}.{name}"
-    key = (where if f is None else f"{f.__module__}.{f.__qualname__}").removeprefix("mlx_lm.models.")
-    have = None if f is None else " ".join(inspect.signature(f).parameters)
-    if have is None or KNOWN.get(key) != have:
+    where = owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}.{owner.__qualname__}"
+    key = (f"{where}.{name}" if f is None else f"{f.__module__}.{f.__qualname__}").removeprefix("mlx_lm.models.")
+    have, want = None if f is None else " ".join(inspect.signature(f).parameters), KNOWN.get(key)
+    if have is None or have != want:
         raise OmniDraftError(
-            f"mlx-lm {version('mlx-lm')}'s {key} is {'missing' if have is None else f'({have})'}, not what "
-            f"recurrent rollback was written for ({KNOWN.get(key)}): install {MLX_LM} (pip install '{MLX_LM}')"
+            f"mlx-lm {version('mlx-lm')}'s {key} is {'missing' if have is None else f'({have})'}, not "
+            f"{f'the ({want})' if want else 'one'} that recurrent rollback knows: pip install '{MLX_LM}'"
         )
     return f
 
