@@ -101,14 +101,17 @@ def test_rows_forwarded_one_by_one_all_go_back_when_one_fails(tiny, monkeypatch)
     from omnidraft_mlx.decode.kvcache import KVSlot
     from omnidraft_mlx.decode.tree import TokenTree
 
-    class Failing(KVSlot):
-        def forward_tree(self, model, root, tree):
+    def forward_tree(model, slot, root, tree):
+        if slot is second:
             raise RuntimeError("a fault in this row's forward")
+        return layouts_forward_tree(model, slot, root, tree)
 
     model = tiny["target"][0]
-    first, second = KVSlot.fresh(model), Failing.fresh(model)
+    first, second = KVSlot.fresh(model), KVSlot.fresh(model)
     for slot in (first, second):
         slot.extend(model, [5, 6, 7])
+    layouts_forward_tree = batch.forward_tree
+    monkeypatch.setattr(batch, "forward_tree", forward_tree)
     monkeypatch.setattr(batch, "batchable", lambda slots: False)  # one forward per row
     with pytest.raises(RuntimeError, match="this row"):
         batch.forward_trees(model, [first, second], [8, 8], [TokenTree.of([9, 10]), TokenTree.of([9])])

@@ -3,17 +3,27 @@ sliding window shorter than the prompt): one forward over a tree gives every nod
 logits a token-by-token decode of its own path gives, and the caches compacted to
 the accepted path continue exactly as if only that path had been fed. Batched
 (batch.py): rows of different lengths, trees and chains in one forward, each row
-as its own forward."""
+as its own forward. A tree is a value, and a target that verifies chains only
+(recurrent layers) verifies the cut tree its round accepts along."""
 
+import dataclasses
+
+import architectures
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import gemma3_text, llama, qwen2
-from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.generate import generate_step
+from mlx_lm.models import gemma3_text, lfm2, llama, qwen2
+from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
-from omnidraft_mlx.decode.batch import forward_trees
-from omnidraft_mlx.decode.kvcache import KVSlot, make_cache, prefill
-from omnidraft_mlx.decode.tree import PositionsRoPE, TokenTree, keep_path, tree_forward
+from omnidraft_mlx.decode.batch import forward_rounds, forward_trees
+from omnidraft_mlx.decode.kvcache import KVSlot, keep_path, make_cache, prefill
+from omnidraft_mlx.decode.layouts import PositionsRoPE, fit_tree, forward_tree, tree_forward
+from omnidraft_mlx.decode.scheduler import Scheduler
+from omnidraft_mlx.decode.speculative import Decoding, SpecConfig, SpecStats
+from omnidraft_mlx.decode.tree import TokenTree
+from omnidraft_mlx.decode.widths import MOST
+from omnidraft_mlx.pair import make_pair
 
 VOCAB, WINDOW = 97, 8
 BASE = dict(
@@ -50,14 +60,6 @@ def model(request):
     return m
 
 
-def path_to(tree: TokenTree, node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.insert(0, node)
-        node = tree.parents[node]
-    return path
-
-
 def stepwise(model, ids: list[int]) -> mx.array:
     """Logits after each of ids, fed one at a time into a fresh cache."""
     cache = make_cache(model)
@@ -65,7 +67,7 @@ def stepwise(model, ids: list[int]) -> mx.array:
 
 
 def test_tree_structure_merges_shared_prefixes():
-    assert TREE.tokens[:4] == [5, 6, 7, 8] and TREE.chain == 4
+    assert TREE.tokens[:4] == (5, 6, 7, 8) and TREE.chain == 4
     assert len(TREE.tokens) == 4 + 3 + 1 + 2 + 1  # [5, ...] and [5, 6, ...] merged into the chain
     assert TREE.children(-1) == [0, 4]
     assert TREE.on_chain([0, 1, 9]) == 2 and TREE.on_chain([4, 5]) == 0
@@ -73,6 +75,16 @@ def test_tree_structure_merges_shared_prefixes():
     depth, anc = TREE.rows()
     assert depth.tolist() == [0, 1, 2, 3, 4, 1, 2, 3, 2, 3, 4, 2]
     assert anc[10].nonzero()[0].tolist() == [0, 1, 2, 9, 10]  # row 10: node 9, [5, 6, 13, 14]'s last
+
+
+def test_a_tree_is_a_value():
+    chain = TokenTree.of([5, 6, 7, 8])
+    grown = chain.add([9, 10])
+    assert chain == TokenTree.of([5, 6, 7, 8]) and grown.tokens == (5, 6, 7, 8, 9, 10)
+    assert grown.parents == (-1, 0, 1, 2, -1, 4) and grown.add([5, 6]) is grown
+    assert TREE.main_chain() == chain and len(TREE.tokens) == 11  # the cut is a new tree
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TREE.tokens = ()
 
 
 def test_one_forward_gives_each_node_its_own_path_logits(model):
@@ -85,7 +97,7 @@ def test_one_forward_gives_each_node_its_own_path_logits(model):
     full = stepwise(model, PREFIX + [root])
     assert mx.allclose(out[0], full[-1], atol=1e-4).item()
     for node in range(len(TREE.tokens)):
-        ids = PREFIX + [root] + [TREE.tokens[i] for i in path_to(TREE, node)]
+        ids = PREFIX + [root] + [TREE.tokens[i] for i in TREE.path(node)]
         assert mx.allclose(out[node + 1], stepwise(model, ids)[-1], atol=1e-4).item(), node
     # The model is left as it was: a later chain forward is the plain one.
     assert "make_mask" not in vars(cache[0])
@@ -97,7 +109,7 @@ def test_cache_compacted_to_the_accepted_path_continues_exactly(model, node):
     prefill(model, cache, PREFIX)
     start = cache[0].offset + 1  # the root, then the tree's nodes
     tree_forward(model, cache, 3, TREE)
-    path = path_to(TREE, node)
+    path = TREE.path(node)
     keep_path(cache, start, path)
     for c in cache:
         c.trim(c.offset - start - len(path))
@@ -115,7 +127,7 @@ def test_quantized_caches_compact_too(model):
     assert isinstance(cache[0], QuantizedKVCache)
     start = cache[0].offset + 1
     tree_forward(model, cache, 3, TREE)
-    path = path_to(TREE, 6)
+    path = TREE.path(6)
     keep_path(cache, start, path)
     for c in cache:
         c.trim(c.offset - start - len(path))
@@ -141,7 +153,7 @@ def slots_for(model, rows) -> list[KVSlot]:
 
 def test_a_batched_forward_gives_each_row_its_own_forward(model):
     solo, batched = slots_for(model, ROWS), slots_for(model, ROWS)
-    alone = [slot.forward_tree(model, 3, tree) for slot, (_, tree) in zip(solo, ROWS)]
+    alone = [forward_tree(model, slot, 3, tree) for slot, (_, tree) in zip(solo, ROWS)]
     together = forward_trees(model, batched, [3] * len(ROWS), [tree for _, tree in ROWS])
     for a, b, (_, tree) in zip(alone, together, ROWS):
         assert b.shape == (len(tree.tokens) + 1, VOCAB)
@@ -149,7 +161,7 @@ def test_a_batched_forward_gives_each_row_its_own_forward(model):
     # Each row's cache kept its own nodes: compacted to a path, it continues as the solo one.
     for a, b, (_, tree), node in zip(solo, batched, ROWS, (6, 1, None)):
         assert a.tokens == b.tokens
-        path = path_to(tree, node) if node is not None else []
+        path = tree.path(node) if node is not None else []
         for slot in (a, b):
             slot.keep_path(tree, path)
         after = [model(mx.array([[40, 41]]), cache=slot.cache)[0] for slot in (a, b)]
@@ -188,3 +200,34 @@ def test_an_exception_leaves_the_caches_as_they_were(model):
     assert "make_mask" not in vars(cache[0])
     assert [[c.offset for c in slot.cache] for slot in slots] == [[n] * len(cache) for n in row_lengths]
     assert [len(slot.tokens) for slot in slots] == row_lengths
+
+
+def test_a_tree_cut_for_a_recurrent_target_is_the_tree_accepted(tiny):
+    """A target with recurrent layers verifies drafts as chains (a branch's state would depend on
+    its path): the round's tree is cut before its forward, and that cut tree is the one take()
+    accepts along and compacts the cache to (the drafted tree's branch nodes have no logits and
+    would misplace the kept tokens). Branches are kept every round they are offered (every draft
+    length costs the same here); greedy output equals plain decoding."""
+    tok = tiny["target"][1]
+    mx.random.seed(2)
+    target = lfm2.Model(lfm2.ModelArgs.from_dict(dict(architectures.config("lfm2"), vocab_size=len(tok.vocab))))
+    mx.eval(target.parameters())
+    pair = make_pair(tiny["same"][0], tok, target, tok)
+    cfg = SpecConfig(k=3, max_tokens=16, tree=True, sources=("drafter",), guard=False)
+    prompt = tok.encode("def add_7(x):\n    return x + 7\n\nprint(add_")
+    scheduler = Scheduler()
+    scheduler.costs.seed(dict.fromkeys(range(1, MOST + 1), 1.0), rounds=100)
+    decoding, out, cut = Decoding(pair, prompt, prompt, cfg, SpecStats(), scheduler=scheduler), [], 0
+    while not decoding.done:
+        tree = decoding.plan()
+        drafted = decoding.round.draft.tree()
+        assert tree == fit_tree(target, decoding.target.cache, drafted) == drafted.main_chain()
+        cut += not drafted.is_chain
+        if not drafted.is_chain:  # the drafted tree is not one this target verifies
+            with pytest.raises(ValueError, match="main chain"):
+                forward_trees(target, [decoding.target], [decoding.y], [drafted])
+        ((logits, seconds),) = forward_rounds([decoding], [tree])
+        out += decoding.take(logits, seconds)[0]
+    decoding.close()
+    plain = generate_step(mx.array(prompt), target, max_tokens=len(out), prompt_cache=make_prompt_cache(target))
+    assert cut > 0 and out == [int(t) for t, _ in plain]

@@ -7,7 +7,6 @@ the cache and silently breaks losslessness, so every trim here is checked.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -16,13 +15,19 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from omnidraft_mlx.anatomy import hidden_states
 from omnidraft_mlx.decode.recurrent import StepsCache, layers, steps_caches
-from omnidraft_mlx.decode.tree import TokenTree, attention_window, keep_path, tree_forward
+from omnidraft_mlx.decode.tree import TokenTree
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.vocab.align import common_prefix
 
 PREFILL_CHUNK = 512
-log = logging.getLogger("omnidraft.kvcache")
-_said: list[bool] = []  # the chains-only note, logged once
+
+
+def attention_window(c, offset: int, window_size: int | None) -> int | None:
+    """The keys a query sees in a layer: the window the model asks for, but past the prompt never
+    more than a sliding-window cache's size (a rotating cache holds no more; mlx-lm's plamo3 asks
+    for one more than it keeps)."""
+    own = getattr(c, "window", None)
+    return min(window_size or own, own) if own and offset else window_size or own
 
 
 class WindowedKVCache(KVCache):
@@ -82,6 +87,20 @@ def trim_cache(cache: list, n: int) -> None:
             raise OmniDraftError(f"a KV cache could not roll back {n} positions (trimmed {trimmed})")
 
 
+def keep_path(cache: list, start: int, path: list[int]) -> None:
+    """Move the keys and values of the accepted path's nodes (the tree's block starts at
+    `start`) to the front of the block; the trim after it is the caller's. A chain's
+    accepted nodes are its front already."""
+    if path == list(range(len(path))):
+        return
+    index = mx.array(path) + start
+    end = start + len(path)
+    for c in cache:
+        for arrays in (c.keys, c.values):
+            for a in arrays if isinstance(arrays, (list, tuple)) else (arrays,):
+                a[..., start:end, :] = a[..., index, :]
+
+
 def prefill(model, cache: list, ids: list[int], rows: int = 0) -> mx.array | None:
     """Feed ids through model into cache (in chunks); final hidden state of the last position,
     or (rows > 0, at most a chunk) of each of the last `rows` positions."""
@@ -124,24 +143,9 @@ class KVSlot:
         self.tokens += ids
         return prefill(model, self.cache, ids, rows)
 
-    def fit_tree(self, tree: TokenTree) -> None:
-        """Cut the tree to its chain (in place) where this cache's recurrent layers need one: a
-        branch's recurrent state would depend on its own path."""
-        if not tree.is_chain and is_recurrent(self.cache):
-            if not _said:
-                log.info("this target has recurrent layers: its drafts are verified as chains, not trees")
-                _said.append(True)
-            del tree.tokens[tree.chain :], tree.parents[tree.chain :]
-
-    def forward_tree(self, model, root: int, tree: TokenTree) -> mx.array:
-        """The model's logits after the root and after each of the tree's nodes (one forward)."""
-        self.fit_tree(tree)
-        out = tree_forward(model, self.cache, root, tree)
-        self.tokens += [root, *tree.tokens]
-        return out
-
     def keep_path(self, tree: TokenTree, path: list[int]) -> None:
-        """After forward_tree: keep the root and the accepted path's nodes, in order."""
+        """After a forward over the root and the tree (layouts.forward_tree): keep the root and the
+        accepted path's nodes, in order."""
         start = len(self.tokens) - len(tree.tokens)
         keep_path(self.cache, start, path)
         self.tokens[start : start + len(path)] = [tree.tokens[i] for i in path]

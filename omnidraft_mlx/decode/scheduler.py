@@ -212,7 +212,7 @@ class Scheduler:
             cost = self.costs.seconds(width) if width <= MOST else None
             if cost is None or seconds is None or (tokens + scale * score) * seconds < tokens * cost:
                 break
-            tree.add(path)
+            tree = tree.add(path)
             kept.append((score, path))
             tokens, seconds = tokens + scale * score, cost
         return draft.branched(kept) if kept else draft

@@ -27,6 +27,7 @@ from omnidraft_mlx.decode.batch import forward_rounds
 from omnidraft_mlx.decode.drafter import DrafterSource, softmax
 from omnidraft_mlx.decode.drafts import SOURCES, Context, Draft, check_sources
 from omnidraft_mlx.decode.kvcache import KVSlot
+from omnidraft_mlx.decode.layouts import fit_tree
 from omnidraft_mlx.decode.lookup import ContextLookup, HistoryIndex, HistorySource, escaped_views
 from omnidraft_mlx.decode.policy import DraftPolicy, FixedPolicy, PolicyConfig
 from omnidraft_mlx.decode.scheduler import Scheduler
@@ -222,7 +223,7 @@ def make_sources(
 
 class Decoding:
     """One reply's decode, a round at a time: plan() the round's draft tree, the target
-    verifies it (KVSlot.forward_tree, alone, or batched with other replies: batch.py), take()
+    verifies it (layouts.forward_tree, alone, or batched with other replies: batch.py), take()
     its logits. Prefill happens on construction; close() when done or abandoned.
 
     Given slots, their caches are reused (common prefix kept); afterwards each holds what
@@ -268,10 +269,11 @@ class Decoding:
         self.round, self.tree, self.draft_s = None, None, 0.0
 
     def plan(self) -> TokenTree:
-        """This round's draft (the scheduler's choice; no tokens: a plain step), as the tree to verify after y."""
+        """This round's draft (the scheduler's choice; no tokens: a plain step), as the tree to verify after y:
+        cut to its chain where the target verifies only chains (layouts.fit_tree); take() reads the same tree."""
         t0, left = time.perf_counter(), self.cfg.max_tokens - len(self.ctx.committed)
         self.round = self.scheduler.propose(self.sources, self.ctx, left)
-        self.tree = self.round.draft.tree()
+        self.tree = fit_tree(self.pair.target, self.target.cache, self.round.draft.tree())
         self.draft_s = time.perf_counter() - t0
         return self.tree
 
