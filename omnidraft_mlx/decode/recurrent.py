@@ -28,13 +28,15 @@ the recurrence functions and write the final states back; `advance(T)` closes th
 layer's forward (the few blocks that do not call it get a small adapter class that
 does: ADAPTERS). Only a prepared model's own layers keep steps: each takes a subclass
 whose methods that call a recurrence are copies looking it up in a copy of their
-module's globals, where it is wrapped (acting only right after a StepsCache was read);
-mlx-lm's modules, their functions and every other model stay as they are. What is
-wrapped or overridden must have the parameters it has in the mlx-lm version known here
-(KNOWN, MLX_LM): prepare() refuses another in one line. A StepsCache also keeps the states at the last few offsets it
-passed through (references, no copies), so a drafter's one-token forwards roll back
-too. Rolling back further than that is refused (`can_trim`); KVSlot then starts
-the sequence afresh where its caller feeds it again.
+module's globals, where it is wrapped (acting only right after a StepsCache was
+read); mlx-lm's modules, their functions and every other model stay as they are.
+What is wrapped or overridden must have the parameters it has in the mlx-lm versions
+known here (KNOWN, MLX_LM): prepare() refuses another in one line.
+
+A StepsCache also keeps the states at the last few offsets it passed through
+(references, no copies), so a drafter's one-token forwards roll back too. Rolling
+back further than that is refused (`can_trim`); KVSlot then starts the sequence
+afresh where its caller feeds it again.
 
 Batched rows (batch.py) stack their states (RowsStates) and each gets back its own.
 Trees are verified as chains on these models (kvcache.py): a branch's state would
