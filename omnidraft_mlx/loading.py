@@ -83,5 +83,5 @@ def open_pair(
         if policy is not None:
             saved.attach_policy(policy)  # its acceptance head is saved with every profile save from now on
         if history:
-            index = saved.attach_history()
+            index = saved.attach_history(HistoryIndex())
     return OpenPair(pair, saved, policy, index)

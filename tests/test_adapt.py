@@ -314,7 +314,7 @@ def test_kill_during_save_keeps_previous_profile(tmp_path, tiny_dirs):
         child.wait()
         model, _ = load(str(tiny_dirs["draft"]))
         profile = load_profile(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), model, trainable=True, path=path)
-        from omnidraft_mlx.learn.distill import trainable_weights
+        from omnidraft_mlx.profile.adapter import trainable_weights
 
         values = {float(v.min()) for v in trainable_weights(model).values()} | {
             float(v.max()) for v in trainable_weights(model).values()

@@ -14,9 +14,10 @@ from tiny_models import TEXT, corpus, train_tokenizer, write_model
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.learn.distill import DistillConfig, Distiller, fuse_lora, make_example, setup_trainable
+from omnidraft_mlx.learn.distill import DistillConfig, Distiller, make_example, setup_trainable
 from omnidraft_mlx.models.convert import convert_dir
 from omnidraft_mlx.pair import make_pair
+from omnidraft_mlx.profile.adapter import fuse_lora
 from omnidraft_mlx.profile.store import Profile, load_profile
 from omnidraft_mlx.prompts import encode_prompt, user_messages
 

@@ -10,6 +10,7 @@ import signal
 import pytest
 
 from omnidraft_mlx import failpoints
+from omnidraft_mlx.decode.lookup import HistoryIndex
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.profile.learned import deferred_interrupt
 from omnidraft_mlx.profile.store import Profile, load_profile, model_identity, profile_dir
@@ -126,7 +127,7 @@ def test_a_save_rewrites_only_the_parts_that_changed(tiny_dirs, tmp_path, monkey
     monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path / "home"))
     model = str(tiny_dirs["target"])
     profile = Profile(profile_dir(model, model), model, model)
-    history = profile.attach_history()
+    history = profile.attach_history(HistoryIndex())
     profile.ngrams.add((5, 6), 7)
     history.add(list(range(40)))
     profile.save()
@@ -137,7 +138,8 @@ def test_a_save_rewrites_only_the_parts_that_changed(tiny_dirs, tmp_path, monkey
     profile.save()
     assert profile.synced[HISTORY] == first[HISTORY] and profile.synced[NGRAMS] != first[NGRAMS]
     again = load_profile(model, model)
-    assert len(again.ngrams) == 2 and len(again.attach_history()) == len(history)  # both whole, the old file kept
+    # both whole, the old file kept
+    assert len(again.ngrams) == 2 and len(again.attach_history(HistoryIndex())) == len(history)
 
 
 def test_serve_saves_when_quiet_and_at_most_every_so_often_while_replies_come(tiny_dirs, tmp_path, monkeypatch):

@@ -15,7 +15,8 @@ from mlx_lm import load
 
 from omnidraft_mlx.decode.head import LearnedHead
 from omnidraft_mlx.decode.policy import LearnedPolicy, PolicyConfig
-from omnidraft_mlx.learn.distill import DistillConfig, setup_trainable, trainable_weights
+from omnidraft_mlx.learn.distill import DistillConfig, setup_trainable
+from omnidraft_mlx.profile.adapter import trainable_weights
 from omnidraft_mlx.profile.store import LOCK, MANIFEST, Profile, load_head, load_profile, profile_files
 from omnidraft_mlx.vocab.ngram import NGramCache
 

@@ -24,11 +24,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
 
 from omnidraft_mlx.decode.drafter import output_head
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.pair import Pair
+from omnidraft_mlx.profile.adapter import SHAPE, make_trainable
 from omnidraft_mlx.settings import check_settings, setting
 from omnidraft_mlx.vocab.align import align, as_draft_tokens
 
@@ -55,8 +55,8 @@ class DistillConfig:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
     def adapter_dict(self) -> dict:
-        """What decides the shape of the saved weights."""
-        return {"lora_rank": self.lora_rank, "lora_scale": self.lora_scale, "layers": self.layers}
+        """What decides the shape of the saved weights (profile.adapter.SHAPE)."""
+        return {name: getattr(self, name) for name in SHAPE}
 
 
 @dataclass
@@ -155,39 +155,8 @@ def distill_loss(model, x, direct_rows, target_logp, ngram_rows, ngram_tok, draf
 
 
 def setup_trainable(model, cfg: DistillConfig) -> None:
-    """LoRA adapters (or plain weights) on the trained blocks; everything else frozen."""
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    n = len(model.model.layers) if cfg.layers < 0 else min(cfg.layers, len(model.model.layers))
-    quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
-    if quantized and cfg.lora_rank == 0:
-        raise OmniDraftError("a quantized drafter trains only through LoRA adapters: use --rank > 0")
-    model.freeze()
-    if cfg.lora_rank > 0:
-        linear_to_lora_layers(model, n, {"rank": cfg.lora_rank, "scale": cfg.lora_scale, "dropout": 0.0})
-    else:
-        for layer in model.model.layers[len(model.model.layers) - n :]:
-            layer.unfreeze()
-
-
-def trainable_weights(model) -> dict[str, mx.array]:
-    return dict(tree_flatten(model.trainable_parameters()))
-
-
-def fuse_lora(model) -> None:
-    """Fold LoRA adapters into plain linear layers (inference speed). Over a
-    quantized layer they stay apart: re-quantizing would round the update away."""
-    from mlx_lm.tuner.lora import LoRALinear
-
-    fused = [
-        (n, m.fuse())
-        for n, m in model.named_modules()
-        if isinstance(m, LoRALinear) and not isinstance(m.linear, nn.QuantizedLinear)
-    ]
-    if fused:
-        from mlx.utils import tree_unflatten
-
-        model.update_modules(tree_unflatten(fused))
+    """The adapter cfg shapes on the drafter (profile/adapter.py); everything else frozen."""
+    make_trainable(model, **cfg.adapter_dict())
 
 
 @dataclass

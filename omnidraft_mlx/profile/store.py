@@ -47,6 +47,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.failpoints import failpoint
 from omnidraft_mlx.paths import LOCAL, Resolver, model_home
+from omnidraft_mlx.profile.adapter import SHAPE, fuse_lora, make_trainable, trainable_weights
 from omnidraft_mlx.profile.atomic import atomic_write_text, durable_replace
 from omnidraft_mlx.profile.digest import sampled_digest, weights_digest
 from omnidraft_mlx.profile.learned import Part, deferred_interrupt
@@ -138,13 +139,10 @@ class Profile:
             self.attach(HEAD, policy.head, ".npz", policy.head.read)
         return policy
 
-    def attach_history(self):
-        """The index of the target's earlier replies (lookup drafting), as a part; returns it.
+    def attach_history(self, history):
+        """The index of the target's earlier replies (lookup.HistoryIndex, fresh), as a part; returns it.
         It lives in the pair's profile, under the pair's lock, beside the n-grams it complements."""
-        from omnidraft_mlx.decode.lookup import HistoryIndex
-
-        history = HistoryIndex()
-        self.attach(HISTORY, history, ".json", HistoryIndex.load)
+        self.attach(HISTORY, history, ".json", type(history).load)
         return history
 
     def save(
@@ -169,8 +167,6 @@ class Profile:
             ) from e
 
     def _save_locked(self, model, optimizer, distill, corpus, position, record) -> None:
-        from omnidraft_mlx.learn.distill import trainable_weights
-
         disk = _read_manifest(self.path)
         for name, part in self.parts.items():  # take in what others saved since this process last did
             saved = _part_file(self.path, disk, name, part.suffix)
@@ -387,8 +383,6 @@ def load_profile(
     For inference (trainable=False) LoRA adapters are fused into the drafter's
     weights; for further training they stay separate and trainable.
     """
-    from omnidraft_mlx.learn.distill import DistillConfig, fuse_lora, setup_trainable, trainable_weights
-
     path = Path(path) if path is not None else profile_dir(draft_name, target_name)
     with profile_lock(path, exclusive=False):  # the manifest and the files it names, as one version
         manifest = _read_manifest(path)
@@ -402,7 +396,7 @@ def load_profile(
         if weights is not None and trainable and files.get("optimizer"):
             profile.optimizer_state = _load_arrays(path / files["optimizer"])
     if weights is not None:
-        setup_trainable(draft_model, DistillConfig.from_dict(profile.distill))
+        make_trainable(draft_model, **{name: profile.distill[name] for name in SHAPE})
         expected = {k: v.shape for k, v in trainable_weights(draft_model).items()}
         if expected != {k: v.shape for k, v in weights.items()}:
             raise OmniDraftError(f"the adapter in {path} does not fit this drafter: run `omnidraft profile reset`")

@@ -7,5 +7,7 @@ the active requests together a round at a time, request is one request's
 decode, text cuts stop strings and splits tool calls, tools speaks the target's
 tool-call format, logprobs gives the target's log-probabilities, learning
 learns from replies and saves the profile.
-May import any part of the library; nothing imports serve but the CLI.
+Nothing imports serve but the CLI.
+May import: decode, learn, profile, vocab, anatomy, chat, errors, failpoints, loading, pair, paths, prompts,
+settings, tasks, timing.
 """
