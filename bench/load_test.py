@@ -43,9 +43,19 @@ from omnidraft_mlx.profile.atomic import atomic_write_text
 
 
 class ServerProcess:
-    """`omnidraft serve` in a child process on a free local port; ready once /health answers."""
+    """`omnidraft serve` in a child process on a free local port; ready once /health answers (asked
+    with `key`, or the --api-key among its args)."""
 
-    def __init__(self, draft: str, target: str, log: Path, *args: str, env: dict | None = None, start_s: float = 600):
+    def __init__(
+        self,
+        draft: str,
+        target: str,
+        log: Path,
+        *args: str,
+        env: dict | None = None,
+        start_s: float = 600,
+        key: str | None = None,
+    ):
         import httpx
 
         with socket.socket() as s:
@@ -53,6 +63,8 @@ class ServerProcess:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log)
+        key = key or (args[args.index("--api-key") + 1] if "--api-key" in args else None)
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         argv = [
             sys.executable,
             "-m",
@@ -78,7 +90,7 @@ class ServerProcess:
                 self.stop()
                 raise RuntimeError(f"the server did not start in {start_s:.0f}s:\n{self.log.read_text()}")
             try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                if httpx.get(self.url + "/health", headers=self.headers, timeout=5).status_code == 200:
                     return
             except httpx.TransportError:
                 time.sleep(0.5)
@@ -86,7 +98,7 @@ class ServerProcess:
     def health(self) -> dict:
         import httpx
 
-        return httpx.get(self.url + "/health", timeout=30).json()
+        return httpx.get(self.url + "/health", headers=self.headers, timeout=30).json()
 
     def stop(self) -> int:
         """SIGTERM, which stops it as Ctrl-C does (the server saves what it learned and exits), and

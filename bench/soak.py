@@ -215,16 +215,18 @@ def alone(url: str, key: str, model: str, prompts: Prompts, keys: set[str], max_
     return out
 
 
-def sample_memory(pid: int, url: str, t0: float, stop: threading.Event, into: list) -> None:
+def sample_memory(server: ServerProcess, t0: float, stop: threading.Event, into: list) -> None:
     """(seconds, resident MiB, the prompt cache's MiB from /health) of the server every 5 s."""
     import httpx
 
     while not stop.wait(5.0):
         try:
             rss = next(
-                line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmRSS:")
+                line
+                for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines()
+                if line.startswith("VmRSS:")
             )
-            cached = httpx.get(url + "/health", timeout=30).json()["prompt_cache_bytes"]
+            cached = server.health()["prompt_cache_bytes"]
         except (OSError, StopIteration, httpx.HTTPError):
             return
         into.append((time.perf_counter() - t0, int(rss.split()[1]) / 1024, cached / 2**20))
@@ -322,7 +324,7 @@ def main(argv=None) -> None:
             threading.Thread(target=run_client, args=(c, server.url, key, target, prompts, args, t0, stop, results[c]))
             for c in range(args.clients)
         ]
-        sampler = threading.Thread(target=sample_memory, args=(server.proc.pid, server.url, t0, stop, memory))
+        sampler = threading.Thread(target=sample_memory, args=(server, t0, stop, memory))
         for t in [*threads, sampler]:
             t.start()
         last = -1

@@ -5,6 +5,8 @@ The server is omnidraft_mlx/serve/server.py; this parses the flags and prints wh
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from omnidraft_mlx.cli import options
@@ -17,7 +19,19 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
     api_key: str | None = typer.Option(
-        None, "--api-key", envvar="OMNIDRAFT_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/ requests."
+        None, "--api-key", envvar="OMNIDRAFT_API_KEY", help="Require 'Authorization: Bearer KEY' (the key 'default')."
+    ),
+    api_keys_file: str | None = typer.Option(
+        None,
+        "--api-keys-file",
+        help="Keys, one per client: a line each, 'name:key' or a key; # comments. Read again when it changes. "
+        "Each key has its own prompt cache and stored responses.",
+    ),
+    learn_from: str | None = typer.Option(
+        None,
+        "--learn-from",
+        help="Whose requests the history index and the drafter learn from: all, none, or key names joined by "
+        "commas. Default: all; none with --api-keys-file.",
     ),
     cache_bytes: int = typer.Option(
         DEFAULT_CACHE_BYTES,
@@ -64,6 +78,8 @@ def serve(
 
     # The settings check themselves (one-line errors), before any model loads.
     check_range("--port", port, 1, 65535)
+    if api_key is None and os.environ.get("OMNIDRAFT_API_KEY") == "":  # click takes it for unset
+        api_key = ""  # an error (ServeConfig), not a server without a key
     spec = options.decoding(
         k=k,
         temp=temp,
@@ -87,6 +103,8 @@ def serve(
         adapt_every=adapt_every,
         profile=not no_profile,
         api_key=api_key,
+        api_keys_file=api_keys_file,
+        learn_from=learn_from,
         batch=batch,
     )
     warn_if_slow_blas(err_console)
@@ -99,7 +117,7 @@ def serve(
         )
         console.print(
             f"serving '{target}' at http://{host}:{port}/v1"
-            + (" (API key required)" if api_key else "")
+            + (" (API key required)" if api_key or api_keys_file else "")
             + " | Ctrl-C stops"
         )
 

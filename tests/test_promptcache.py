@@ -8,7 +8,7 @@ from omnidraft_mlx.chat import ChatConfig, ChatSession
 from omnidraft_mlx.decode.drafter import CONTEXT_KEEP, CONTEXT_STEP, draft_context
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.decode.promptcache import CacheUse, PromptCache
-from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
+from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, decode_alone, speculative_generate
 from omnidraft_mlx.prompts import encode_prompt
 
 CFG = SpecConfig(k=3, max_tokens=24)
@@ -96,6 +96,21 @@ def test_conversations_do_not_evict_each_other_and_the_budget_holds(cross):
     cached_reply(small, cross, a, use_a)
     shared = len(os.path.commonprefix([encode(cross, a)[1], encode(cross, b)[1]]))  # the template's start
     assert use_b.target_tokens == len(encode(cross, b)[1]) - 1 and use_a.target_tokens == shared
+
+
+def test_a_namespace_reuses_only_what_it_stored(cross):
+    """The server keeps each API key's prompts in a namespace of its own: a request under another
+    namespace reuses none of them (so its cached_tokens tell nothing of them), one under its own all."""
+    cache, messages = PromptCache(), [{"role": "user", "content": TURNS[0]}]
+    d, t = encode(cross, messages)
+    decoding = cache.start(cross, d, t, CFG, SpecStats(), slots=cache.take(cross, d, t, namespace="a"))
+    reply = [i for new, _ in decode_alone(decoding) for i in new]
+    cache.finish(decoding, namespace="a")
+    assert reply == greedy(cross, messages)
+    for namespace, reused in (("b", CacheUse(0, 0)), ("", CacheUse(0, 0)), ("a", CacheUse(len(d) - 1, len(t) - 1))):
+        use = CacheUse()
+        cache.take(cross, d, t, use, namespace)
+        assert use == reused, namespace
 
 
 def test_a_drafter_update_retires_only_the_drafter_caches(cross):

@@ -19,10 +19,11 @@ from omnidraft_mlx.prompts import encode_prompt
 KEY = "test-key"
 
 
-def start(tiny_dirs, home, log, *args, failpoints: str = "") -> ServerProcess:
-    """`serve` on the tiny pair, its home under `home`, with these failpoints armed (failpoints.py)."""
+def start(tiny_dirs, home, log, *args, failpoints: str = "", key: str | None = None) -> ServerProcess:
+    """`serve` on the tiny pair, its home under `home`, with these failpoints armed (failpoints.py);
+    its /health asked with `key` (or its --api-key)."""
     env = {"OMNIDRAFT_HOME": str(home)} | ({"OMNIDRAFT_FAILPOINTS": failpoints} if failpoints else {})
-    return ServerProcess(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), log, *args, env=env)
+    return ServerProcess(str(tiny_dirs["draft"]), str(tiny_dirs["target"]), log, *args, env=env, key=key)
 
 
 def idle(server, timeout: float = 120) -> dict:
@@ -243,8 +244,9 @@ def test_requests_whose_caches_would_not_fit_wait_their_turn(tiny_dirs, tiny, tm
         assert srv.stop() == 0, srv.log.read_text()
 
 
-def test_only_health_goes_without_the_key(server, model):
-    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+def test_only_root_goes_without_the_key(server, model):
+    assert httpx.get(server.url + "/").json()["status"] == "ok"
+    assert httpx.get(server.url + "/health").status_code == 401
     assert httpx.get(server.url + "/v1/models").status_code == 401
     models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert [m["id"] for m in models["data"]] == [model]

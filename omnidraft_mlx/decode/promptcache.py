@@ -14,6 +14,10 @@ conversations do not evict each other at once. Each model has its own key (the
 two tokenize the same text differently). A drafter update changes the drafter's
 weights and so every cache it made: its key carries the update count, and the
 older caches, never fetched again, age out.
+
+Every sequence is kept under a namespace (the server's clients: one per API key): a
+request reuses only what its own namespace stored, so a client cannot reuse, nor learn
+from `cached_tokens`, another client's prompt. The namespaces share the byte budget.
 """
 
 from __future__ import annotations
@@ -54,8 +58,9 @@ class PromptCache:
     def nbytes(self) -> int:
         return self.lru.nbytes
 
-    def _draft_key(self) -> str:
-        return f"draft@{self.drafter_version}"
+    def _keys(self, namespace: str) -> tuple[tuple[str, str], tuple[str, str]]:
+        """The LRU's keys of (the drafter's, the target's) sequences in the namespace."""
+        return (namespace, f"draft@{self.drafter_version}"), (namespace, "target")
 
     def make_room(self, n_bytes: int) -> None:
         """Keep at most n_bytes of cached prompts (least recently stored out first)."""
@@ -64,31 +69,39 @@ class PromptCache:
     def drafter_changed(self) -> None:
         self.drafter_version += 1
 
-    def _slot(self, model, key: str, ids: list[int]) -> KVSlot:
+    def _slot(self, model, key: tuple[str, str], ids: list[int]) -> KVSlot:
         cache, rest = self.lru.fetch_nearest_cache(key, ids)
         if cache is None:
             return KVSlot.fresh(model)
         return KVSlot(cache, list(ids[: len(ids) - len(rest)]))  # a copy: the stored one stays intact
 
-    def slots(self, pair: Pair, draft_ids: list[int], target_ids: list[int]) -> tuple[KVSlot, KVSlot]:
-        """(draft slot, target slot) holding the cached sequences nearest to these prompts."""
-        return self._slot(pair.draft, self._draft_key(), draft_ids), self._slot(pair.target, "target", target_ids)
+    def slots(
+        self, pair: Pair, draft_ids: list[int], target_ids: list[int], namespace: str = ""
+    ) -> tuple[KVSlot, KVSlot]:
+        """(draft slot, target slot) holding the namespace's cached sequences nearest to these prompts."""
+        draft_key, target_key = self._keys(namespace)
+        return self._slot(pair.draft, draft_key, draft_ids), self._slot(pair.target, target_key, target_ids)
 
     def take(
-        self, pair: Pair, draft_ids: list[int], target_ids: list[int], use: CacheUse | None = None
+        self,
+        pair: Pair,
+        draft_ids: list[int],
+        target_ids: list[int],
+        use: CacheUse | None = None,
+        namespace: str = "",
     ) -> tuple[KVSlot, KVSlot]:
         """slots(), and how many prompt tokens they hold into `use`."""
         draft_ids = draft_context(draft_ids)  # what the drafter reads of its prompt
-        draft_slot, target_slot = self.slots(pair, draft_ids, target_ids)
+        draft_slot, target_slot = self.slots(pair, draft_ids, target_ids, namespace)
         if use is not None:
             # The loop always feeds each model its prompt's last token afresh.
             use.draft_tokens = min(draft_slot.common_prefix(draft_ids), len(draft_ids) - 1)
             use.target_tokens = min(target_slot.common_prefix(target_ids), len(target_ids) - 1)
         return draft_slot, target_slot
 
-    def store(self, draft_slot: KVSlot, target_slot: KVSlot) -> None:
-        """Keep both slots (the cache takes them over: do not use them afterwards)."""
-        for key, slot in ((self._draft_key(), draft_slot), ("target", target_slot)):
+    def store(self, draft_slot: KVSlot, target_slot: KVSlot, namespace: str = "") -> None:
+        """Keep both slots in the namespace (the cache takes them over: do not use them afterwards)."""
+        for key, slot in zip(self._keys(namespace), (draft_slot, target_slot)):
             if slot.tokens:
                 self.lru.insert_cache(key, list(slot.tokens), slot.cache)
 
@@ -112,12 +125,12 @@ class PromptCache:
             pair, draft_ids, target_ids, cfg, stats, policy, target_slot=target_slot, draft_slot=draft_slot, **options
         )
 
-    def finish(self, decoding: Decoding, intact: bool = True) -> None:
-        """Close the decoding and keep its slots: only when `intact` (an exception inside a
-        round may leave a cache out of step with its tokens)."""
+    def finish(self, decoding: Decoding, intact: bool = True, namespace: str = "") -> None:
+        """Close the decoding and keep its slots in the namespace it took them from: only when
+        `intact` (an exception inside a round may leave a cache out of step with its tokens)."""
         decoding.close()
         if intact:
-            self.store(decoding.draft_slot, decoding.target)
+            self.store(decoding.draft_slot, decoding.target, namespace)
 
     def generate(
         self,

@@ -1,5 +1,6 @@
 """`omnidraft serve`: an OpenAI-compatible HTTP API over a drafter/target pair.
-server starts it; schema checks request bodies, routes is the FastAPI app,
+server starts it; schema checks request bodies, routes is the FastAPI app (keys:
+the API keys it takes, and the name each request goes by),
 replies turns a job's events into JSON or server-sent events (responses and
 messages: the Responses API and Anthropic's Messages API, translated onto the
 chat route's request and back), engine decodes

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from omnidraft_mlx.decode.policy import PolicyConfig
 from omnidraft_mlx.decode.promptcache import DEFAULT_CACHE_BYTES
 from omnidraft_mlx.decode.speculative import SpecConfig
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.serve.keys import check_key
 from omnidraft_mlx.settings import check_settings, setting
 
 
@@ -22,8 +25,25 @@ class ServeConfig:
     adapt: bool = True  # drafter updates between requests
     adapt_every: int = setting(4, flag="--adapt-every", low=1)  # replies gathered per drafter update
     profile: bool = True  # load and save the pair's profile
+    # The keys a request must bring (keys.py): none, --api-key's, and/or a keys file's, one per client.
     api_key: str | None = None
+    api_keys_file: str | None = None
+    # Whose prompts and replies the history index and the drafter learn from: "all", "none" or key
+    # names joined by commas; None: all, or none with a keys file (its clients may not trust each other).
+    learn_from: str | None = None
     batch: int = setting(8, flag="--batch", low=1)  # requests decoded together (one target forward verifies all)
 
     def __post_init__(self):
         check_settings(self)
+        if self.api_key is not None:
+            check_key(self.api_key, "--api-key (or OMNIDRAFT_API_KEY)")
+        if self.learn_from is not None:
+            if not re.fullmatch(r"[^,\s]+(,[^,\s]+)*", self.learn_from):
+                raise OmniDraftError("--learn-from: all, none, or key names joined by commas (no spaces, none empty)")
+            if self.learn_from not in ("all", "none") and not (self.api_key or self.api_keys_file):
+                raise OmniDraftError("--learn-from names keys, and the server has none: give --api-keys-file")
+
+    def learns_from(self, key_name: str) -> bool:
+        """Whether the history index and the drafter learn from the requests of this key's name."""
+        chosen = self.learn_from or ("none" if self.api_keys_file else "all")
+        return chosen == "all" or (chosen != "none" and key_name in chosen.split(","))

@@ -230,7 +230,7 @@ class Engine:
         prefill, self.prefilling = self.prefilling, None
         job, fed = prefill.job, 0
         if job.cancelled.is_set():
-            self.decoder.prompt_cache.store(*prefill.slots)  # what it fed is a prefix worth keeping
+            self.decoder.prompt_cache.store(*prefill.slots, job.key_name)  # what it fed is a prefix worth keeping
             self.cancelled += 1
             return fed
         try:
@@ -317,6 +317,8 @@ class Engine:
         running.job.emit("done", result)
         self.served += 1
         self.cancelled += result.finish_reason == "cancelled"
+        if not self.cfg.learns_from(running.job.key_name):  # the operator's choice (--learn-from)
+            return
         try:  # the reply is out: a failure to learn from it costs only that lesson
             failpoint("learn", running.job.label)
             self.learning.observe(running.job.draft_ids, running.job.target_ids, ids)

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from omnidraft_mlx.serve.keys import key_name
 from omnidraft_mlx.serve.replies import gather, gone, reply_events, sse, submit
 from omnidraft_mlx.serve.request import Result
 from omnidraft_mlx.serve.schema import ApiError, ChatRequest, chat_messages, parse, validate
@@ -282,7 +283,7 @@ def add_routes(app: FastAPI, engine) -> None:
     @app.post("/v1/messages")
     async def create(request: Request):
         chat = chat_request(await parse(request, MessagesRequest))
-        job = await submit(engine, chat, chat_messages(chat), raw=False)
+        job = await submit(engine, chat, chat_messages(chat), raw=False, key_name=key_name(request))
         reply = Reply(engine.cfg.target, len(job.target_ids))
         if chat.stream:
             return StreamingResponse(streamed(job, reply), media_type="text/event-stream")

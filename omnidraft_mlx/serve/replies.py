@@ -54,9 +54,9 @@ def message(text: str, calls: list[dict]) -> dict:
     return {"role": "assistant", "content": text if text.strip() else None, "tool_calls": calls}
 
 
-async def submit(engine, req: Sampling, messages: list[dict], raw: bool) -> Job:
+async def submit(engine, req: Sampling, messages: list[dict], raw: bool, key_name: str = "") -> Job:
     """The one way into the engine, whatever the API: the model checked, the request encoded (in a
-    worker thread) and its job queued."""
+    worker thread) and its job queued, under the name of the API key it came with."""
     target = engine.cfg.target
     if req.model is not None and req.model != target:
         raise ApiError(
@@ -65,7 +65,7 @@ async def submit(engine, req: Sampling, messages: list[dict], raw: bool) -> Job:
             "model",
             "model_not_found",
         )
-    job = await run_in_threadpool(engine.decoder.prepare, messages, raw, req, asyncio.get_running_loop())
+    job = await run_in_threadpool(engine.decoder.prepare, messages, raw, req, asyncio.get_running_loop(), key_name)
     engine.submit(job)
     return job
 

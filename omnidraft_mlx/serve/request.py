@@ -54,6 +54,7 @@ class Job:
     logprobs: int | None = None  # alternatives per token; None: no log-probabilities
     cancelled: threading.Event = field(default_factory=threading.Event)
     label: str = ""  # the request's messages, for a failpoint aimed at it (set only while one is armed)
+    key_name: str = ""  # its API key's: its prompt-cache namespace; whether the pair learns from it
     # Its time to first token counts from here, as its client's does: waits in the queue (for a
     # drafter update's slice, for its turn to prefill) included.
     arrived: float = field(default_factory=time.monotonic)
@@ -95,7 +96,7 @@ class Decoder:
         self.encoder = copy.copy(self.pair)
         self.encoder.draft_tok, self.encoder.target_tok = copy.deepcopy((self.pair.draft_tok, self.pair.target_tok))
 
-    def prepare(self, messages: list[dict], raw: bool, req: Sampling, loop) -> Job:
+    def prepare(self, messages: list[dict], raw: bool, req: Sampling, loop, key_name: str = "") -> Job:
         """Encode a request for both models and check it against the context (any thread)."""
         spec, chat = self.cfg.spec, isinstance(req, ChatRequest)
         with self.encoding:
@@ -119,13 +120,14 @@ class Decoder:
         logprobs = (req.top_logprobs or 0) if chat and req.logprobs else None
         label = json.dumps(messages, default=str) if armed() else ""
         draft_ids = draft_context(draft_ids)  # the end of its prompt the drafter reads
-        return Job(draft_ids, target_ids, spec, stop_strings(req), loop, asyncio.Queue(), tools, logprobs, label=label)
+        stops, events = stop_strings(req), asyncio.Queue()
+        return Job(draft_ids, target_ids, spec, stops, loop, events, tools, logprobs, label=label, key_name=key_name)
 
     def begin(self, job: Job) -> Prefill:
         """The job's slots from the prompt cache, to prefill (Prefill.feed, or start() at once)."""
         failpoint("prefill", job.label)
         use = CacheUse()
-        slots = self.prompt_cache.take(self.pair, job.draft_ids, job.target_ids, use)
+        slots = self.prompt_cache.take(self.pair, job.draft_ids, job.target_ids, use, job.key_name)
         return Prefill(job, slots, use)
 
     def start(self, job: Job, scheduler, prefill: Prefill | None = None) -> Running:
@@ -146,6 +148,7 @@ class Decoder:
             prefill.use,
             slots=prefill.slots,
             history=self.history,
+            learn_history=self.cfg.learns_from(job.key_name),
             scheduler=scheduler,
             on_logits=rows.append if job.logprobs is not None else None,
         )
@@ -154,7 +157,7 @@ class Decoder:
     def finish(self, running: Running, intact: bool = True) -> tuple[Result, list[int]]:
         """Give the running job's caches back to the prompt cache; (its result, the reply's target ids)."""
         failpoint("finish", running.job.label)
-        self.prompt_cache.finish(running.decoding, intact)
+        self.prompt_cache.finish(running.decoding, intact, running.job.key_name)
         finish = running.finish or "cancelled"
         stats, ids = running.stats, running.ids
         result = Result(

@@ -6,26 +6,28 @@ one way every route does (replies.submit), and the job's events come back as a
 response: a `message` output item for the text, a `function_call` item per
 tool call, `usage` with the drafter's figures; streamed as the named events
 clients expect (response.created ... response.completed). Replies are kept in
-memory for `previous_response_id` (the last STORED, least recently used first
-out; an evicted or unknown id is a 404 naming it).
+memory for `previous_response_id`, apart per API key (the last STORED of each key,
+least recently used first out; an evicted or unknown id, or another key's, is a 404
+naming it).
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnidraft_mlx.serve.keys import key_name
 from omnidraft_mlx.serve.replies import gather, gone, message, reply_events, sse, submit
 from omnidraft_mlx.serve.request import Result
 from omnidraft_mlx.serve.schema import ApiError, ChatRequest, chat_messages, parse, validate
 
-STORED = 256  # responses kept for previous_response_id
+STORED = 256  # responses kept for previous_response_id, per API key
 # Fields that would change the answer, which this server cannot honour: a 400 names them if set.
 UNSUPPORTED = {
     "background": "replies are not run in the background",
@@ -310,27 +312,31 @@ class Reply:
 
 
 class Kept:
-    """The last `size` conversations by response id, for previous_response_id."""
+    """The last `size` conversations of each API key by response id, for previous_response_id: a
+    key sees its own only (another's id is unknown to it), and cannot push another's out."""
 
     def __init__(self, size: int = STORED):
-        self.size, self.items = size, OrderedDict()
+        self.size, self.keys = size, defaultdict(OrderedDict)
 
-    def get(self, rid: str) -> list[dict]:
-        if rid not in self.items:
+    def get(self, key: str, rid: str) -> list[dict]:
+        items = self.keys[key]
+        if rid not in items:
             raise ApiError(
                 404,
                 f"previous_response_id: no response '{rid}' here (this server keeps the last {self.size} "
-                "responses stored in memory, and none from before it started): send the whole input instead",
+                "responses stored in memory for each API key, and none from before it started): send the whole "
+                "input instead",
                 "previous_response_id",
                 "previous_response_not_found",
             )
-        self.items.move_to_end(rid)
-        return self.items[rid]
+        items.move_to_end(rid)
+        return items[rid]
 
-    def put(self, rid: str, conversation: list[dict]) -> None:
-        self.items[rid] = conversation
-        while len(self.items) > self.size:
-            self.items.popitem(last=False)
+    def put(self, key: str, rid: str, conversation: list[dict]) -> None:
+        items = self.keys[key]
+        items[rid] = conversation
+        while len(items) > self.size:
+            items.popitem(last=False)
 
 
 async def streamed(job, reply: Reply):
@@ -344,16 +350,16 @@ def add_routes(app: FastAPI, engine) -> None:
 
     @app.post("/v1/responses")
     async def create(request: Request):
-        req = await parse(request, ResponsesRequest)
-        conversation = (kept.get(req.previous_response_id) if req.previous_response_id else []) + input_messages(
+        req, key = await parse(request, ResponsesRequest), key_name(request)
+        conversation = (kept.get(key, req.previous_response_id) if req.previous_response_id else []) + input_messages(
             req.input
         )
         chat = chat_request(req, conversation)
-        job = await submit(engine, chat, chat_messages(chat), raw=False)
+        job = await submit(engine, chat, chat_messages(chat), raw=False, key_name=key)
 
         def keep(reply: Reply) -> None:
             if req.store:
-                kept.put(reply.head["id"], conversation + [reply.said()])
+                kept.put(key, reply.head["id"], conversation + [reply.said()])
 
         reply = Reply(req, engine.cfg.target, keep)
         if req.stream:

@@ -1,4 +1,4 @@
-"""The HTTP side of `omnidraft serve`: the FastAPI app, its routes, errors and API key.
+"""The HTTP side of `omnidraft serve`: the FastAPI app, its routes, errors and API keys.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health; the Responses
 API (responses.py) and Anthropic's Messages API (messages.py) translate to the chat route's request.
@@ -13,6 +13,7 @@ import logging
 import secrets
 import time
 import traceback
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -21,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.serve import messages, responses
+from omnidraft_mlx.serve.keys import SCOPE_NAME, Keys, key_name
 from omnidraft_mlx.serve.replies import complete, error_response, stream, submit
 from omnidraft_mlx.serve.schema import (
     ApiError,
@@ -41,28 +43,38 @@ def error_reply(path: str, e: ApiError):
 
 
 class RequireKey:
-    """ASGI middleware: /v1/ requests need 'Authorization: Bearer KEY', or 'x-api-key: KEY' as
-    Anthropic's clients send it (/health stays open)."""
+    """ASGI middleware: every request but `/` (which says only that the server is up) needs one of
+    the server's keys, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' (Anthropic's clients);
+    the key's name goes into the request's scope (keys.key_name)."""
 
-    def __init__(self, app, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode()
+    def __init__(self, app, keys: Keys):
+        self.app, self.keys = app, keys
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] != "/":
             headers = Headers(scope=scope)
-            sent = (headers.get("authorization", ""), "Bearer " + headers.get("x-api-key", ""))
-            if not any(secrets.compare_digest(s.encode(), self.expected) for s in sent):
+            bearer = headers.get("authorization", "")
+            sent = (bearer[len("Bearer ") :] if bearer.startswith("Bearer ") else "", headers.get("x-api-key", ""))
+            name = next((name for key in sent if key and (name := self.keys.name_of(key)) is not None), None)
+            if name is None:
                 response = error_reply(
                     scope["path"],
                     ApiError(
                         401,
                         "missing or wrong API key: send the header 'Authorization: Bearer KEY' "
-                        "(or 'x-api-key: KEY') with the server's --api-key",
+                        "(or 'x-api-key: KEY') with a key the server was given (--api-key, --api-keys-file)",
                         code="invalid_api_key",
                     ),
                 )
                 return await response(scope, receive, send)
+            scope[SCOPE_NAME] = name
         await self.app(scope, receive, send)
+
+
+def shown(model: str) -> str:
+    """A model as /health shows it: a local directory by its name alone (where it lies on this
+    machine is nobody's business but the operator's)."""
+    return Path(model).name if Path(model).expanduser().exists() else model
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -91,7 +103,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
 async def respond(engine, request: Request, req: Sampling, messages: list[dict], raw: bool, chat: bool):
     """Queue the request's job; its reply, streamed or whole."""
-    job = await submit(engine, req, messages, raw)
+    job = await submit(engine, req, messages, raw, key_name(request))
     head = {
         "id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
         "created": int(time.time()),
@@ -103,19 +115,20 @@ async def respond(engine, request: Request, req: Sampling, messages: list[dict],
     return await complete(request, job, head, chat)
 
 
-def make_app(engine) -> FastAPI:
+def make_app(engine, keys: Keys | None = None) -> FastAPI:
+    """The app; with `keys`, every request but `/` needs one of them (RequireKey)."""
     cfg = engine.cfg
     app = FastAPI(title="omnidraft", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
-    if cfg.api_key:
-        app.add_middleware(RequireKey, key=cfg.api_key)
+    if keys is not None:
+        app.add_middleware(RequireKey, keys=keys)
 
     @app.get("/health")
     async def health():
         return {
             "status": "ok",
-            "model": cfg.target,
-            "draft": cfg.draft,
+            "model": shown(cfg.target),
+            "draft": shown(cfg.draft),
             "generating": engine.generating,
             "most_active": engine.most_active,
             "batch": cfg.batch,

@@ -21,6 +21,7 @@ system prompt or conversation is not prefilled again.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
 import threading
@@ -30,7 +31,16 @@ from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.paths import LOCAL, Resolver
 from omnidraft_mlx.serve.config import ServeConfig
 from omnidraft_mlx.serve.engine import Engine
+from omnidraft_mlx.serve.keys import load_keys
 from omnidraft_mlx.serve.routes import make_app
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` is reachable only from this machine."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost
+        return False
 
 
 def serve(
@@ -45,10 +55,17 @@ def serve(
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    keys = load_keys(cfg.api_key, cfg.api_keys_file)  # a bad keys file stops it before the models load
+    if keys is None and not loopback(host):
+        logging.getLogger("omnidraft.serve").warning(
+            "WARNING: serving on %s with NO API KEY: anyone who can reach this address can use the models "
+            "and read their replies. Give --api-key or --api-keys-file, or --host 127.0.0.1.",
+            host,
+        )
     engine = Engine(cfg, resolver)
     engine.load()
     http = uvicorn.Server(
-        uvicorn.Config(make_app(engine), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.Config(make_app(engine, keys), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     )
     web = threading.Thread(target=http.run, name="omnidraft-http", daemon=True)
     web.start()
