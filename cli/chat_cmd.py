@@ -113,7 +113,7 @@ def chat(
     cfg = ChatConfig(spec=spec, context=context, adapt=adapt, adapt_every=adapt_every)
     policy_cfg = options.draft_length(policy, gamma, k, max_k)
     warn_if_slow_blas(err_console)
-    session, on_save = _open_session(draft, target, system, cfg, policy_cfg, no_profile)
+    session = _open_session(draft, target, system, cfg, policy_cfg, no_profile)
     # Ctrl-C stops a reply even when the chat was started with SIGINT ignored, as a background
     # job of a script is (POSIX), and Python then installs no handler of its own.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -121,18 +121,17 @@ def chat(
     try:
         _converse(session, colour=show_draft and sys.stdout.isatty())
     finally:
-        if on_save:
-            on_save()
+        session.learning.close()  # the last save (a failure says what it loses)
         if history:
             _save_history(history)
 
 
 def _open_session(draft: str, target: str, system: str | None, cfg, policy_cfg, no_profile: bool):
-    """Load the pair and its profile, time the target's plain step and say what was loaded:
-    (the session, what saves the profile or None)."""
-    from omnidraft_mlx.chat import ChatSession, Conversation, make_learner
+    """Load the pair and its profile, time the target's plain step and say what was loaded; the session."""
+    from omnidraft_mlx.chat import ChatSession, Conversation
     from omnidraft_mlx.cli.main import console
     from omnidraft_mlx.decode.policy import make_policy
+    from omnidraft_mlx.learn.online import make_learner
     from omnidraft_mlx.loading import open_pair
     from omnidraft_mlx.models.pull import CATALOG_RESOLVER
 
@@ -148,8 +147,7 @@ def _open_session(draft: str, target: str, system: str | None, cfg, policy_cfg, 
         )
         pair, profile = opened.pair, opened.profile
         learner = make_learner(pair, profile, cfg.adapt_every) if cfg.adapt else None
-    on_save = profile.save if profile else None
-    session = ChatSession(pair, cfg, Conversation(system), learner, on_save, opened.policy, history=opened.history)
+    session = ChatSession(pair, cfg, Conversation(system), learner, profile, opened.policy, history=opened.history)
     with console.status("timing the target's plain decoding step (for the speedup estimate)"):
         session.measure_plain_speed()
     console.print(
@@ -158,7 +156,7 @@ def _open_session(draft: str, target: str, system: str | None, cfg, policy_cfg, 
         f" | plain target {1 / session.plain_step_s:.1f} tok/s\n"
         "[dim]/help for commands, Ctrl-C stops a reply, Ctrl-D or /quit leaves[/]"
     )
-    return session, on_save
+    return session
 
 
 def _converse(session, colour: bool) -> None:
@@ -219,7 +217,9 @@ def _reply(session, text: str, colour: bool, console) -> None:
                 report = session.adapt()
             except KeyboardInterrupt:  # held while the profile saved: the update may be in
                 report = session.learner.last if session.learner.updates > updates else None
-        saved = ", saved to the profile" if session.learner.profile else ""
+        saved = ""
+        if session.learning.profile is not None:  # a failed save is tried again (and said so)
+            saved = ", not saved yet" if session.learning.dirty else ", saved to the profile"
         console.print(
             f"[dim](drafter update {report.update}: loss {report.loss:.3f}, {report.seconds:.1f}s{saved})[/]"
             if report

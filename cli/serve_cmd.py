@@ -65,6 +65,17 @@ def serve(
         help="Requests decoded together (their drafts verified in one "
         "target forward); more wait in a queue. 1: one at a time.",
     ),
+    max_queue: int = typer.Option(
+        64, "--max-queue", help="Requests waiting beyond --batch; past that a request gets 429 (Retry-After)."
+    ),
+    max_per_client: int = typer.Option(
+        16,
+        "--max-per-client",
+        help="Requests one client (its API key, else its address) may have under way; past that, 429.",
+    ),
+    max_connections: int = typer.Option(
+        128, "--max-connections", help="Open HTTP connections; past that a request gets 503 (keep below ulimit -n)."
+    ),
     no_profile: bool = options.NO_PROFILE,
 ) -> None:
     """Serve TARGET (the model name clients ask for), DRAFT speculating, over the OpenAI HTTP API
@@ -106,6 +117,9 @@ def serve(
         api_keys_file=api_keys_file,
         learn_from=learn_from,
         batch=batch,
+        max_queue=max_queue,
+        max_per_client=max_per_client,
+        max_connections=max_connections,
     )
     warn_if_slow_blas(err_console)
 

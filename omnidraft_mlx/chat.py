@@ -23,8 +23,11 @@ from omnidraft_mlx.decode.promptcache import CacheUse, PromptCache
 from omnidraft_mlx.decode.scheduler import Scheduler
 from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.learn.adapt import OnlineLearner, UpdateReport
+from omnidraft_mlx.learn.online import Learning
 from omnidraft_mlx.pair import Pair, context_limit, reply_room
 from omnidraft_mlx.profile.atomic import atomic_write_text
+from omnidraft_mlx.profile.store import Profile
 from omnidraft_mlx.prompts import encode_prompt
 from omnidraft_mlx.settings import check_settings, setting
 from omnidraft_mlx.vocab.textstream import TextStream
@@ -131,20 +134,6 @@ class Reply:
     cached: CacheUse = field(default_factory=CacheUse)  # prompt tokens not prefilled again
 
 
-def make_learner(pair: Pair, profile, interval: int):
-    """An online learner of the drafter, which it makes trainable (unless the
-    profile's adapter already did); updates are saved into the profile."""
-    from omnidraft_mlx.learn.adapt import OnlineLearner
-    from omnidraft_mlx.learn.distill import DistillConfig, setup_trainable
-
-    if profile is not None and profile.distill:
-        cfg = DistillConfig.from_dict(profile.distill)
-    else:
-        cfg = DistillConfig()
-        setup_trainable(pair.draft, cfg)
-    return OnlineLearner(pair, cfg, interval, profile)
-
-
 class ChatSession:
     """A conversation with a drafter/target pair; learns from every reply."""
 
@@ -153,8 +142,8 @@ class ChatSession:
         pair: Pair,
         cfg: ChatConfig,
         conversation: Conversation | None = None,
-        learner=None,
-        on_save=None,
+        learner: OnlineLearner | None = None,
+        profile: Profile | None = None,
         policy: DraftPolicy | None = None,
         prompt_cache: PromptCache | None = None,
         history: HistoryIndex | None = None,
@@ -165,8 +154,9 @@ class ChatSession:
         self.prompt_cache = prompt_cache or PromptCache()  # both models' caches, kept across turns
         self.policy = policy  # draft length (default: fixed k); a learned one keeps learning across replies
         self.conv = conversation or Conversation()
-        self.learner = learner  # optional: an adapt.OnlineLearner (make_learner)
-        self.on_save = on_save  # persists what was learned (the profile); called after replies
+        # What the pair learned is saved into the profile after every reply; the drafter (with a
+        # learner: learn.online.make_learner) updates between turns, every cfg.adapt_every replies.
+        self.learning = Learning(pair, profile, learner, self.prompt_cache)
         self.totals = SpecStats()
         self.reply_stats: list[SpecStats] = []  # per reply, for the speedup estimate
         self.replies = 0
@@ -235,18 +225,20 @@ class ChatSession:
         finally:
             reply.text += out.finish()
 
+    @property
+    def learner(self) -> OnlineLearner | None:
+        """The drafter's learner (None: --no-adapt, or its updates kept failing)."""
+        return self.learning.learner
+
     def finish(self, reply: Reply) -> str | None:
         """Commit a (possibly interrupted) reply; a note on why it stopped early, if it did."""
-        if self.learner is not None and self.cfg.adapt:
-            # Verified tokens count, interrupted or not. The learner sees the last
-            # message only: training sequences stay short and keep the reply in them.
-            self.learner.observe(self.conv.latest(), reply.ids)
+        # Verified tokens count, interrupted or not; with /adapt off the drafter does not queue them.
+        self.learning.observe(reply.draft_ids, reply.target_ids, reply.ids if self.cfg.adapt else [])
         self.conv.turns.append({"role": "assistant", "content": reply.text})
         self.replies += 1
         self.totals += reply.stats
         self.reply_stats.append(reply.stats)
-        if self.on_save:
-            self.on_save()
+        self.learning.save()
         if len(reply.ids) >= reply.max_tokens:
             return (
                 "stopped: the context is full"
@@ -258,25 +250,13 @@ class ChatSession:
     @property
     def update_due(self) -> bool:
         """Whether enough replies have gathered for a drafter update."""
-        return self.learner is not None and self.cfg.adapt and len(self.learner.buffer) >= self.learner.interval
+        return self.cfg.adapt and self.learning.update_due
 
-    def adapt(self):
-        """Update the drafter on the gathered replies (between turns); the learner
-        saves the profile. The update's report, or None when none was due."""
-        if not self.update_due:
-            return None
-        try:
-            return self.learner.update()
-        except OmniDraftError:
-            raise
-        except Exception as e:  # a failed update must not end the conversation
-            self.cfg.adapt = False
-            raise OmniDraftError(
-                f"the drafter update failed ({type(e).__name__}: {e}); drafter learning "
-                "is paused (/adapt on tries again)"
-            ) from e
-        finally:
-            self.prompt_cache.drafter_changed()  # new drafter weights: its cached prefixes are stale
+    def adapt(self) -> UpdateReport | None:
+        """Update the drafter on the gathered replies (between turns), then save the profile. The
+        update's report, or None when none was due; a failure is an OmniDraftError that says
+        what comes next (the conversation goes on)."""
+        return self.learning.update() if self.cfg.adapt else None
 
     def reset(self) -> None:
         self.conv = Conversation(self.conv.system)

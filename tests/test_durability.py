@@ -142,10 +142,10 @@ def test_a_save_rewrites_only_the_parts_that_changed(tiny_dirs, tmp_path, monkey
     assert len(again.ngrams) == 2 and len(again.attach_history(HistoryIndex())) == len(history)
 
 
-def test_serve_saves_when_quiet_and_at_most_every_so_often_while_replies_come(tiny_dirs, tmp_path, monkeypatch):
+def test_serve_saves_when_quiet_and_between_rounds_once_learning_waited_save_every(tiny_dirs, tmp_path, monkeypatch):
     from omnidraft_mlx.decode.promptcache import PromptCache
-    from omnidraft_mlx.serve import learning
-    from omnidraft_mlx.serve.learning import Learning
+    from omnidraft_mlx.learn import online
+    from omnidraft_mlx.learn.online import Learning
 
     monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path / "home"))
     model = str(tiny_dirs["target"])
@@ -153,14 +153,15 @@ def test_serve_saves_when_quiet_and_at_most_every_so_often_while_replies_come(ti
     learn = Learning(None, profile, None, PromptCache())
     profile.ngrams.add((5, 6), 7)
     learn.observe([1, 2], [1, 2], [3])
-    learn.idle()  # a reply just now, a save just now: not yet
+    learn.idle()  # a reply just now, learned just now: not yet
+    learn.between_rounds()
     assert learn.saves == 0 and learn.pending
-    learn.last_save -= learning.SAVE_EVERY_S  # replies kept coming for a while: saved
-    learn.idle()
+    learn.unsaved_since -= online.SAVE_EVERY_S  # replies kept the server busy that long: saved between rounds
+    learn.between_rounds()
     assert learn.saves == 1 and not learn.pending
     learn.observe([1, 2], [1, 2], [3])
     learn.idle()
     assert learn.saves == 1
-    learn.last_reply -= learning.QUIET_S  # no reply for a while: saved
+    learn.last_reply -= online.QUIET_S  # no reply for a while: saved
     learn.idle()
     assert learn.saves == 2 and load_profile(model, model).ngrams.entries == {(5, 6): 7}

@@ -58,6 +58,7 @@ def test_history_index_counts_merges_saves_and_stays_bounded(tmp_path):
     tokens, order = index.continuation([5, 6], limit=4)
     assert tokens == [7, 9] and order == 2  # 9 followed "6 7" twice, 8 once; nothing follows 9
     index.save(tmp_path / "h.json")
+    index.mark_saved()  # as the profile does once its manifest names the file
     other = HistoryIndex.load(tmp_path / "h.json")
     index.add([1, 2, 3])  # learned after the save
     other.add([5, 6, 7, 8])

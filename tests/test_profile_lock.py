@@ -1,6 +1,7 @@
 """One profile, several writers: real processes saving the same profile at once
 keep every contribution (n-grams, head labels, updates); a save in flight keeps
-its files; Ctrl-C never leaves learned state half-updated."""
+its files; a lock held elsewhere is waited for a while, then a clear error; Ctrl-C
+never leaves learned state half-updated."""
 
 import inspect
 import json
@@ -11,10 +12,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from mlx_lm import load
 
 from omnidraft_mlx.decode.head import LearnedHead
 from omnidraft_mlx.decode.policy import LearnedPolicy, PolicyConfig
+from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.learn.distill import DistillConfig, setup_trainable
 from omnidraft_mlx.profile.adapter import trainable_weights
 from omnidraft_mlx.profile.store import LOCK, MANIFEST, Profile, load_head, load_profile, profile_files
@@ -131,6 +134,7 @@ def test_ngram_merge_counts_only_what_was_learned_since_the_last_save(tmp_path):
     mine.add((1, 2), 3)
     mine.record_use((1, 2))
     mine.save(tmp_path / "a.json")
+    mine.mark_saved()  # as the profile does once its manifest names the file
     theirs = NGramCache.load(tmp_path / "a.json")  # the same base, then each learns on
     theirs.add((4, 5), 6)
     theirs.record_use((1, 2))
@@ -214,3 +218,38 @@ def test_the_interrupt_checks_can_fail(monkeypatch):
     cache = NGramCache()
     assert interrupted(NGramCache._insert, "bucket.append", lambda: cache.add((1, 2, 3), 4))
     assert (1, 2, 3) in cache.entries and cache.by_first[1] == []
+
+
+def hold_lock(path: Path) -> subprocess.Popen:
+    """Another process holding the profile's lock, then stopped (SIGSTOP), as a stopped `omnidraft adapt`
+    in the middle of a save would; returned once it holds it (kill() ends it)."""
+    path.mkdir(parents=True, exist_ok=True)
+    code = (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path / LOCK)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "locked\n"
+    proc.send_signal(signal.SIGSTOP)
+    return proc
+
+
+def test_a_lock_held_elsewhere_is_waited_for_a_while_then_a_clear_error_and_nothing_lost(tmp_path, tiny_dirs):
+    draft, target, path = str(tiny_dirs["draft"]), str(tiny_dirs["target"]), tmp_path / "prof"
+    profile = Profile(path, draft, target)
+    profile.ngrams.add((1, 2), 3)
+    holder = hold_lock(path)
+    try:
+        start = time.monotonic()
+        with pytest.raises(OmniDraftError, match="another process held the profile's lock .* for over 0.5s"):
+            profile.save(wait_s=0.5)
+        assert 0.5 <= time.monotonic() - start < 3
+        assert profile.ngrams.changed  # kept for the next save
+    finally:
+        holder.kill()
+        holder.wait()
+    profile.save(wait_s=0.5)
+    assert load_profile(draft, target, path=path).ngrams.entries == {(1, 2): 3}

@@ -164,6 +164,9 @@ class LearnedHead:
         buf = io.BytesIO()
         np.savez(buf, **arrays)
         atomic_write_bytes(path, buf.getvalue())
+
+    def mark_saved(self) -> None:
+        """What was saved is shared from now on (the profile calls it once its manifest names the file)."""
         self.unsaved, self.synced_rounds = 0, self.rounds
 
     def merge(self, other: LearnedHead) -> None:

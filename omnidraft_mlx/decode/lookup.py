@@ -190,6 +190,9 @@ class HistoryIndex:
     def save(self, path: str | Path) -> None:
         rows = [[list(g), list(c.items()), self.uses[g]] for g, c in self.next.items()]
         atomic_write_text(path, json.dumps({"order": self.order, "capacity": self.capacity, "entries": rows}))
+
+    def mark_saved(self) -> None:
+        """What was saved is shared from now on (the profile calls it once its manifest names the file)."""
         self.fresh = []
 
     @classmethod

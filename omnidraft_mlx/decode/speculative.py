@@ -7,14 +7,16 @@ target forward over all of it -> verify (the longest acceptable prefix, plus
 one token of the target's own) -> trim the target's cache back to what was
 kept -> settle (the source learns, statistics) -> yield. A Decoding is one
 reply between rounds (plan, then take the target's logits), so that one target
-forward can verify the rounds of several replies (decode_together, batch.py:
-concurrent requests). The target's tokens are the truth: at temperature 0 the
-output equals the target's own greedy output, and sampled output has the
-target's distribution.
+forward can verify the rounds of several replies (round_together, the one round
+of a batch, where a reply that fails fails alone; batch.py: concurrent
+requests). The target's tokens are the truth: at temperature 0 the output
+equals the target's own greedy output, and sampled output has the target's
+distribution.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -35,6 +37,7 @@ from omnidraft_mlx.decode.tree import TokenTree
 from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.settings import check_settings, setting
 
+log = logging.getLogger("omnidraft.decode")
 SAMPLING_MODES = ("exact", "omnidraft")  # exact: direct maps only, provably lossless; omnidraft: + n-grams
 
 
@@ -306,21 +309,73 @@ class Decoding:
         self.scheduler.end_reply(self.sources, self.ctx)
 
 
-def decode_together(decodings: list[Decoding]) -> Iterator[dict[int, tuple[list[int], list[bool]]]]:
-    """Rounds of every decoding in the list not done yet, all verified in one target forward
-    (batch.py); after each: {its index in the list: (new target ids, which were drafted)}.
-    The caller may change the list between rounds (replies joining, leaving); closing the
-    decodings is the caller's."""
-    while active := [(i, d) for i, d in enumerate(decodings) if not d.done]:
-        trees = [d.plan() for _, d in active]
-        verified = forward_rounds([d for _, d in active], trees)
-        yield {i: d.take(out, seconds) for (i, d), (out, seconds) in zip(active, verified)}
+Taken = tuple[list[int], list[bool]]  # a round's new target ids, and which of them were drafted
 
 
-def decode_alone(decoding: Decoding) -> Iterator[tuple[list[int], list[bool]]]:
-    """Yield (new target ids, which of them were drafted) after every round of one reply
-    (closing the decoding is the caller's)."""
+def round_together(decodings: list[Decoding], before: Callable[[str, int], None] = lambda step, i: None) -> list:
+    """One round of each decoding, every draft verified in one target forward (batch.py): each
+    one's Taken, or the exception that failed it (its plan, its take or its own verification), so
+    one reply's failure is its own. If the shared forward fails (every cache then holds what it
+    held before), each is verified in a forward of its own: one whose own forward fails, fails.
+    before(step, i) runs before decoding i's "draft" and each "verify" of it (the server's failpoints)."""
+    outcomes: list = [None] * len(decodings)
+    planned = []
+    for i, d in enumerate(decodings):
+        try:
+            before("draft", i)
+            planned.append((i, d.plan()))
+        except Exception as e:
+            outcomes[i] = e
+    for (i, _), verified in zip(planned, _verify(decodings, planned, before)):
+        try:
+            outcomes[i] = verified if isinstance(verified, Exception) else decodings[i].take(*verified)
+        except Exception as e:
+            outcomes[i] = e
+    return outcomes
+
+
+def _verify(decodings: list[Decoding], planned: list[tuple[int, TokenTree]], before) -> list:
+    """Each planned (index, tree)'s (logits, seconds) from one forward; failing that, from a forward
+    of its own, or the exception that failed it."""
+
+    def forward(rows: list[tuple[int, TokenTree]]) -> list:
+        for i, _ in rows:
+            before("verify", i)
+        return forward_rounds([decodings[i] for i, _ in rows], [tree for _, tree in rows])
+
+    try:
+        return forward(planned)
+    except Exception as e:
+        if len(planned) == 1:
+            return [e]
+        log.warning("a verification of %d replies failed (%r): verifying them one at a time", len(planned), e)
+    verified = []
+    for row in planned:
+        try:
+            verified += forward([row])
+        except Exception as e:
+            verified.append(e)
+    return verified
+
+
+def decode_together(decodings: list[Decoding]) -> Iterator[dict[int, Taken | Exception]]:
+    """Rounds of every decoding in the list not done (nor failed) yet, together (round_together);
+    after each: {its index in the list: its Taken, or the exception that failed it (it takes no
+    more rounds)}. The caller may change the list between rounds (replies joining, leaving);
+    closing the decodings is the caller's."""
+    failed: set[Decoding] = set()
+    while active := [(i, d) for i, d in enumerate(decodings) if not d.done and d not in failed]:
+        outcomes = round_together([d for _, d in active])
+        failed.update(d for (_, d), out in zip(active, outcomes) if isinstance(out, Exception))
+        yield {i: out for (i, _), out in zip(active, outcomes)}
+
+
+def decode_alone(decoding: Decoding) -> Iterator[Taken]:
+    """Yield (new target ids, which of them were drafted) after every round of one reply; a
+    round's exception is raised (closing the decoding is the caller's)."""
     for taken in decode_together([decoding]):
+        if isinstance(taken[0], Exception):
+            raise taken[0]
         yield taken[0]
 
 

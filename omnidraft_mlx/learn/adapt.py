@@ -175,8 +175,9 @@ class OnlineLearner:
     """Buffers verified replies; every `interval` of them, one distillation update
     of the drafter, after which the profile (when given) is saved.
 
-    For a chat loop: `observe(messages, reply_target_ids)` after each verified
-    reply, then `maybe_update()`; it returns True when the drafter changed.
+    For a loop over prompts: `observe(messages, reply_target_ids)` after each verified
+    reply, then `maybe_update()`; it returns True when the drafter changed (chat and
+    serve learn between replies through online.Learning).
     The drafter must have been prepared for training (load_profile(...,
     trainable=True) or distill.setup_trainable) before the learner is made.
     `policy`, when given, is the draft-length policy the decoding uses: its
@@ -212,6 +213,7 @@ class OnlineLearner:
         self.position = 0
         self.last: UpdateReport | None = None
         self.updates = profile.updates if profile else 0
+        self.unsaved: dict | None = None  # the record of a drafter update the profile does not hold yet
 
     def example(self, messages: list[dict], reply_target_ids: list[int]) -> Example:
         """The training example of a reply to `messages` (each model gets its own chat template)."""
@@ -248,11 +250,15 @@ class OnlineLearner:
                 return done.value
 
     def update_slices(
-        self, record: dict | None = None, batches: list[list[Example]] | None = None, piece: int | None = None
+        self,
+        record: dict | None = None,
+        batches: list[list[Example]] | None = None,
+        piece: int | None = None,
+        save: bool = True,
     ) -> Generator[None, None, UpdateReport | None]:
         """update() a slice at a time (Distiller.step_slices, pieces of `piece` examples): a
         server answers requests between two slices; returns update()'s report. Examples
-        added meanwhile wait for the next update."""
+        added meanwhile wait for the next update. save=False leaves the update for save()."""
         taken = len(self.buffer)
         if batches is None:
             if not self.buffer:
@@ -273,26 +279,37 @@ class OnlineLearner:
         del self.buffer[:taken]
         self.last = report  # before the save: a Ctrl-C held through it arrives after
         if self.profile is not None and self.group.rank() == 0:
-            t0 = time.perf_counter()
-            self.profile.save(
-                self.pair.draft,
-                self.distiller.opt,
-                self.cfg.__dict__,
-                self.corpus,
-                self.position,
-                {
-                    "update": report.update,
-                    "examples": report.examples,
-                    "loss": report.loss,
-                    "seconds": round(report.seconds, 2),
-                    "tokens_per_s": round(report.tokens_per_s, 1),
-                    "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 2),
-                    **(record or {}),
-                },
-            )
-            self.updates = report.update = self.profile.updates  # another process's updates count too
-            report.save_s = time.perf_counter() - t0
+            self.unsaved = {  # until the profile holds it
+                "update": report.update,
+                "examples": report.examples,
+                "loss": report.loss,
+                "seconds": round(report.seconds, 2),
+                "tokens_per_s": round(report.tokens_per_s, 1),
+                "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 2),
+                **(record or {}),
+            }
+            if save:
+                t0 = time.perf_counter()
+                self.save()
+                report.update = self.updates
+                report.save_s = time.perf_counter() - t0
         return report
+
+    def save(self, wait_s: float | None = None) -> None:
+        """Save the profile: every part, and the drafter update not saved yet, if any (its adapter,
+        optimizer state and record). A failed save leaves that update unsaved, for the next to save."""
+        if self.unsaved is None:
+            self.profile.save(wait_s=wait_s)
+            return
+        saved = self.profile.manifest
+        try:
+            self.profile.save(
+                self.pair.draft, self.distiller.opt, self.cfg.__dict__, self.corpus, self.position, self.unsaved, wait_s
+            )
+        finally:
+            if self.profile.manifest is not saved:  # committed (a Ctrl-C held through the save comes after)
+                self.unsaved = None
+                self.updates = self.profile.updates  # another process's updates count too
 
 
 def open_learner(

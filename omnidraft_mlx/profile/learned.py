@@ -2,9 +2,11 @@
 and keeping that state whole when Ctrl-C lands while it changes.
 
 A part (the n-gram cache, the acceptance head, ...) is any object with
-- save(path): write its whole state atomically; what was saved counts as shared from then on;
+- save(path): write its whole state atomically;
+- mark_saved(): what it last wrote counts as shared from now on (called once the manifest
+  naming that file is on disk: a save that fails before keeps the learning for the next);
 - merge(other): become `other` (the same part as another process saved it) plus what this
-  one learned since it was loaded or last saved (a part tracks that itself);
+  one learned since it was loaded or last marked saved (a part tracks that itself);
 and a reader, read(path) -> a copy of the part as saved there. The profile
 (profile/store.py) loads, merges and saves every part the same way,
 so a new part is one `Profile.attach` call.
@@ -23,7 +25,7 @@ from typing import Any
 
 @dataclass
 class Part:
-    obj: Any  # has save(path) and merge(other); `changed` (optional): learned since loaded or saved
+    obj: Any  # has save(path), mark_saved() and merge(other); `changed` (optional): learned since loaded or saved
     suffix: str  # its file's ending, e.g. ".json"
     read: Callable[[Path], Any]  # a copy of the part as saved at a path
 

@@ -8,9 +8,10 @@ it (`ngrams-000012.json`); the manifest also holds the format version, the two
 models' identities, the training settings, the update count, the position
 reached in each corpus, and a short history.
 
-Reads hold a shared lock and saves an exclusive one (fcntl.flock on .lock). A
-save re-reads the manifest under its lock and builds on what another process
-saved since this one loaded (or last saved):
+Reads hold a shared lock and saves an exclusive one (fcntl.flock on .lock), waiting
+LOCK_WAIT_S at most for another process's (then a one-line error). A save re-reads
+the manifest under its lock and builds on what another process saved since this one
+loaded (or last saved):
 - each learned part merges the saved one with its own learning since (learned.py);
 - the update count is the sum, the history theirs then this save's record; a
   corpus position the furthest either reached (prompts are learned from once);
@@ -18,7 +19,8 @@ saved since this one loaded (or last saved):
   adapter and optimizer state as the newest, counts both processes' updates,
   and says so in one line; a save without an update leaves the adapter as it is.
 It writes the new files first (a part that learned nothing since keeps its file: a save
-costs what changed) and the manifest last (each atomically), then, with
+costs what changed) and the manifest last (each atomically); only then do the parts count
+what they wrote as saved (a save that failed keeps their learning for the next), and, with
 no other writer in flight under the lock, deletes what the old manifest named and
 leftovers of saves that died: a kill loses at most the save in flight and leaves
 the previous profile loadable; Ctrl-C waits for a save to end. Profiles written
@@ -58,6 +60,8 @@ MANIFEST = "manifest.json"
 LOCK = ".lock"
 NGRAMS, HEAD = "ngrams", "accept_head"  # part names; older profiles: ngrams.json, accept_head.npz
 HISTORY = "history"  # lookup.HistoryIndex
+LOCK_WAIT_S = 30.0  # the longest wait for another process's lock (a save takes a second or so)
+LOCK_POLL_S = 0.02  # how often a waiter tries the lock again
 VERSIONED = re.compile(r"[a-z_]+-\d{6}\.[a-z]+")  # a file named by the save that wrote it
 
 
@@ -153,12 +157,14 @@ class Profile:
         corpus: str | None = None,
         position: int | None = None,
         record: dict | None = None,
+        wait_s: float | None = None,
     ) -> None:
         """Save every part; with `model`, one more drafter update too (its trainable
         weights, optimizer state, settings, corpus position and history record).
-        Builds on whatever another process saved meanwhile (module docstring)."""
+        Builds on whatever another process saved meanwhile (module docstring); waits
+        for another process's lock wait_s at most (LOCK_WAIT_S by default)."""
         try:
-            with profile_lock(self.path, exclusive=True), deferred_interrupt():  # Ctrl-C still stops a wait
+            with profile_lock(self.path, exclusive=True, wait_s=wait_s), deferred_interrupt():  # Ctrl-C stops a wait
                 self._save_locked(model, optimizer, distill, corpus, position, record)
         except OSError as e:
             raise OmniDraftError(
@@ -172,7 +178,7 @@ class Profile:
             saved = _part_file(self.path, disk, name, part.suffix)
             if saved and saved != self.synced.get(name):
                 part.obj.merge(_read_part(self.path / saved, part.read))
-        failpoint("save")  # inside the lock and the deferred signals, with the parts merged
+        failpoint("save", "adapter" if model is not None else "")  # in the lock and deferred signals, parts merged
         version = max(disk.get("version", 0), disk.get("updates", 0)) + 1  # above older profiles' adapter-{update}
         files = dict(disk.get("files", {}))
         manifest = {
@@ -223,11 +229,15 @@ class Profile:
                 if name not in files or getattr(part.obj, "changed", True):  # unchanged: its file stays
                     write(name, part.suffix, part.obj.save)
             manifest["files"] = files
+            failpoint("manifest")  # a manifest that cannot be written (disk full): the parts keep their learning
             atomic_write_text(self.path / MANIFEST, json.dumps(manifest, indent=1))
         except BaseException:
             for name in written:
                 (self.path / name).unlink(missing_ok=True)
             raise
+        for name, part in self.parts.items():  # committed: what the parts wrote is shared from now on
+            if files.get(name) in written:
+                part.obj.mark_saved()
         self.manifest = manifest
         self.synced = {name: files.get(name) for name in self.parts}
         _remove_unnamed(self.path, files)
@@ -240,10 +250,11 @@ class Profile:
 
 
 @contextmanager
-def profile_lock(path: Path, exclusive: bool) -> Iterator[None]:
+def profile_lock(path: Path, exclusive: bool, wait_s: float | None = None) -> Iterator[None]:
     """Hold the profile's lock: shared to read, exclusive to write. Reading a profile
-    that does not exist (or that this user cannot lock) takes no lock."""
-    fd = _acquire(Path(path), exclusive)
+    that does not exist (or that this user cannot lock) takes no lock. Another process
+    holding it longer than wait_s (LOCK_WAIT_S by default) is a one-line OmniDraftError."""
+    fd = _acquire(Path(path), exclusive, LOCK_WAIT_S if wait_s is None else wait_s)
     try:
         yield
     finally:
@@ -251,7 +262,8 @@ def profile_lock(path: Path, exclusive: bool) -> Iterator[None]:
             os.close(fd)
 
 
-def _acquire(path: Path, exclusive: bool) -> int | None:
+def _acquire(path: Path, exclusive: bool, wait_s: float) -> int | None:
+    deadline = time.monotonic() + wait_s
     while True:
         if exclusive:
             path.mkdir(parents=True, exist_ok=True)
@@ -263,13 +275,30 @@ def _acquire(path: Path, exclusive: bool) -> int | None:
             if exclusive:
                 raise
             return None
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, deadline):
+            os.close(fd)
+            raise OmniDraftError(
+                f"another process held the profile's lock in {path} for over {wait_s:g}s (an `omnidraft adapt`, "
+                "`serve` or `chat` of this pair, maybe stopped): let it end, or stop it"
+            )
         try:
             if os.stat(path / LOCK).st_ino == os.fstat(fd).st_ino:
                 return fd
         except FileNotFoundError:
             pass
         os.close(fd)  # the profile was reset while this process waited: lock the new one
+
+
+def _flock(fd: int, operation: int, deadline: float) -> bool:
+    """flock, tried again until the deadline (a blocking flock has no timeout): whether it was taken."""
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(LOCK_POLL_S)
 
 
 def _part_file(path: Path, manifest: dict, name: str, suffix: str) -> str | None:

@@ -6,8 +6,8 @@ messages: the Responses API and Anthropic's Messages API, translated onto the
 chat route's request and back), engine decodes
 the active requests together a round at a time, request is one request's
 decode, text cuts stop strings and splits tool calls, tools speaks the target's
-tool-call format, logprobs gives the target's log-probabilities, learning
-learns from replies and saves the profile.
+tool-call format, logprobs gives the target's log-probabilities (learning from
+replies is learn.online's, as chat's is).
 Nothing imports serve but the CLI.
 May import: decode, learn, profile, vocab, anatomy, chat, errors, failpoints, loading, pair, paths, prompts,
 settings, tasks, timing.

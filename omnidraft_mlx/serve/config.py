@@ -32,6 +32,11 @@ class ServeConfig:
     # names joined by commas; None: all, or none with a keys file (its clients may not trust each other).
     learn_from: str | None = None
     batch: int = setting(8, flag="--batch", low=1)  # requests decoded together (one target forward verifies all)
+    # Admission (admission.py): requests queued beyond --batch, a client's requests under way, and
+    # open connections (below macOS's default 256 open files); past one, a 429 (connections: a 503).
+    max_queue: int = setting(64, flag="--max-queue", low=1)
+    max_per_client: int = setting(16, flag="--max-per-client", low=1)
+    max_connections: int = setting(128, flag="--max-connections", low=1)
 
     def __post_init__(self):
         check_settings(self)

@@ -1,27 +1,26 @@
 """The engine of `omnidraft serve`: one drafter/target pair decoding the active requests together.
 
-Up to --batch requests are active at once and progress a round at a time: each
-plans its own draft (its scheduler and guard choose drafter, lookup or none),
-one target forward verifies every draft (decode/batch.py), and each keeps what it
-accepted and rolls its own caches back. A new request is admitted between rounds
-(its prefill then: between two rounds of the requests under way, new requests together are fed
-what feeds in about PAUSE_S, a long prompt a chunk per round, so the other streams go on
-meanwhile), so it starts after a round or a few, not after the queue; beyond
---batch, or when its caches at full length would not fit in --cache-bytes
-beside the active requests' (the prompt cache gives way to them), requests
-wait in order. Every request uses the server's one scheduler, so what it
-measured on each request serves them all. The
-engine runs in the main thread (MLX does all its work there: a process whose
-other threads ran a model aborts at exit). A client that disconnects leaves the
-queue, or frees its row at the next round. When no request is active and the
-queue is empty, the pair learns and saves (learning.py).
+Up to --batch requests are active (or being prefilled) at once and progress a round at a
+time: each plans its own draft (its scheduler and guard choose drafter, lookup or none), one
+target forward verifies every draft, and each keeps what it accepted and rolls its own caches
+back (decode.speculative.round_together: a request that fails there fails alone). Queued
+requests (admission.Waiting: bounded) are admitted between rounds, and their prompts fed:
+between two rounds of the requests under way, about PAUSE_S of prompt feeding, a long prompt
+a chunk at a time so the other streams go on meanwhile, fewest prompt tokens left first
+(admission.turn: a short prompt does not wait behind long prefills, and a long one waits
+AGE_S at most behind later ones); a request whose caches at full length would not fit in
+--cache-bytes beside the others' (the prompt cache gives way to them) waits for room. Every
+request uses the server's one scheduler, so what it measured on each request serves them
+all. The engine runs in the main thread (MLX does all its work there: a process whose other
+threads ran a model aborts at exit). A request whose client went away leaves the queue, its
+prefill or its row before the next round. When no request is active and the queue is
+empty, the pair learns and saves (learning.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import queue
 import time
 import traceback
 from collections.abc import Callable
@@ -30,9 +29,11 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from omnidraft_mlx.decode.kvcache import PREFILL_CHUNK
+from omnidraft_mlx.decode.speculative import round_together
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.failpoints import failpoint
 from omnidraft_mlx.paths import LOCAL, Resolver
+from omnidraft_mlx.serve.admission import Waiting, prompt_left, shutting_down, turn
 from omnidraft_mlx.serve.learning import Learning
 from omnidraft_mlx.serve.request import Decoder, Job, Prefill, Running
 from omnidraft_mlx.serve.schema import ApiError
@@ -53,9 +54,9 @@ class Engine:
 
     def __init__(self, cfg: ServeConfig, resolver: Resolver = LOCAL):
         self.cfg, self.resolver = cfg, resolver  # resolver: how the models' names find their weights
-        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.waiting = Waiting(cfg.max_queue)
         self.active: list[Running] = []
-        self.prefilling: Prefill | None = None  # a long prompt fed a chunk per round (one at a time)
+        self.prefilling: list[Prefill] = []  # admitted, their prompts fed a chunk at a time between rounds
         self.served = self.cancelled = self.failed = 0
         self.most_active = 0  # the most requests decoded together so far
         # Stalls, the longest so far: between two rounds of the active requests (another's prefill chunk,
@@ -77,14 +78,15 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        return self.jobs.qsize()
+        return len(self.waiting)
 
     @property
     def generating(self) -> int:
-        return len(self.active) + (self.prefilling is not None)
+        return len(self.active) + len(self.prefilling)
 
     def submit(self, job: Job) -> None:
-        self.jobs.put(job)
+        """Queue a job (an ApiError when the queue is full, 429, or the server is shutting down, 503)."""
+        self.waiting.put(job)
 
     def load(self) -> None:
         from omnidraft_mlx.chat import make_learner
@@ -135,31 +137,14 @@ class Engine:
         if time.monotonic() - self.released > RELEASE_S:
             release_memory()
             self.released = time.monotonic()
-        job = None
-        if not self.active and self.prefilling is None:
-            try:
-                job = self.jobs.get(timeout=IDLE_S if self.learning.pending else 1.0)
-            except queue.Empty:
-                if self.learning.pending:
-                    self.learning.idle(busy=lambda: not self.jobs.empty())
-                    if not self.jobs.empty():
-                        waited = time.monotonic() - self.jobs.queue[0].arrived
-                        self.longest_learning_wait_s = max(self.longest_learning_wait_s, waited)
-                return
-        budget, fed, start = self._prefill_budget(), 0, time.monotonic()
-        if job is not None:
-            fed += self._admit(job, budget)
-        # Only this thread takes jobs out: the queue's head stays while it is looked at.
-        while (
-            self.prefilling is None
-            and fed < budget
-            and len(self.active) < self.cfg.batch
-            and not self.jobs.empty()
-            and self._fits(self.jobs.queue[0])
-        ):
-            fed += self._admit(self.jobs.get_nowait(), budget - fed)
-        if self.prefilling is not None and fed < budget:
-            fed += self._prefill(budget - fed)
+        if not self.active and not self.prefilling and not self.waiting.wait(IDLE_S if self.learning.pending else 1.0):
+            if self.learning.pending:
+                self.learning.idle(busy=lambda: len(self.waiting) > 0)
+                self.longest_learning_wait_s = max(self.longest_learning_wait_s, self.waiting.longest_wait())
+            return
+        self.cancelled += len(self.waiting.cancelled())  # their clients went away
+        budget, start = self._prefill_budget(), time.monotonic()
+        fed = self._feed(budget)
         if fed:
             seconds = time.monotonic() - start
             rate = fed / max(seconds, 1e-6)
@@ -181,55 +166,58 @@ class Engine:
 
     def shutdown(self) -> None:
         """The running and the queued requests get an error, not silence; then save what was learned."""
-        stopping = ApiError(503, "the server is shutting down", kind="server_error")
-        for running in self.active:
-            running.job.emit("error", stopping)
-        if self.prefilling is not None:
-            self.prefilling.job.emit("error", stopping)
-        self.active, self.prefilling = [], None
-        while True:
-            try:
-                self.jobs.get_nowait().emit("error", stopping)
-            except queue.Empty:
-                break
+        stopping = shutting_down()
+        jobs = [r.job for r in self.active] + [p.job for p in self.prefilling] + self.waiting.close()
+        self.active, self.prefilling = [], []
+        for job in jobs:
+            job.emit("error", stopping)
         self.learning.save()
 
     def _fits(self, job: Job) -> bool:
-        """Room in --cache-bytes for the active requests' caches and this job's, each at its
-        longest, at the bytes per token the active ones hold now."""
-        held = sum(r.nbytes for r in self.active)
-        tokens = sum(len(r.decoding.target.tokens) for r in self.active)
+        """Room in --cache-bytes for the caches of the active requests, the prompts being fed and
+        this job, each at its longest, at the bytes per token they hold now."""
+        rows = [(r.nbytes, len(r.decoding.target.tokens), r.job.longest) for r in self.active]
+        rows += [(p.nbytes(), len(p.slots[1].tokens), p.job.longest) for p in self.prefilling]
+        held, tokens, longest = (sum(column) for column in zip(*rows)) if rows else (0, 0, 0)
         per_token = held / tokens if tokens else 0.0
-        return (
-            per_token * (sum(r.length for r in self.active) + len(job.target_ids) + job.spec.max_tokens)
-            <= self.cfg.cache_bytes
-        )
+        return per_token * (longest + job.longest) <= self.cfg.cache_bytes
 
-    def _admit(self, job: Job, budget: int) -> int:
-        """Prefill a queued job and make it active, or (more prompt than `budget` tokens) start
-        prefilling it a chunk per round; a cancelled one is dropped. The prompt tokens it fed."""
+    def _feed(self, budget: int) -> int:
+        """Admit queued jobs and feed their prompts, in turn, up to `budget` prompt tokens (a prompt
+        with more left goes on before later rounds). The prompt tokens fed."""
         fed = 0
-        if job.cancelled.is_set():
-            self.cancelled += 1
-            return fed
-        try:
-            prefill = self.decoder.begin(job)
-            if prefill.left > budget:
-                self.prefilling = prefill
+        while fed < budget and (chosen := self._next()) is not None:
+            if isinstance(chosen, Prefill):
+                fed += self._prefill(chosen, budget - fed)
             else:
-                fed = prefill.left
-                self.active.append(self.decoder.start(job, self.decoder.scheduler, prefill))
+                self._admit(chosen)
+        return fed
+
+    def _next(self) -> Job | Prefill | None:
+        """The prompt to feed next, first in turn (admission.turn): one being fed, or the queue's
+        first if there is room for it (--batch, --cache-bytes)."""
+        now = time.monotonic()
+        options = [(turn(p.job, p.left, now), p) for p in self.prefilling]
+        room = len(self.active) + len(self.prefilling) < self.cfg.batch
+        if room and (job := self.waiting.first(now)) is not None and self._fits(job):
+            options.append((turn(job, prompt_left(job), now), job))
+        return min(options, key=lambda option: option[0])[1] if options else None
+
+    def _admit(self, job: Job) -> None:
+        """A queued job out of the queue, its caches from the prompt cache: its prompt is fed next (_prefill)."""
+        self.waiting.remove(job)
+        try:
+            self.prefilling.append(self.decoder.begin(job))
         except Exception as e:
             self._fail(job, e)
         self._make_room()
-        return fed
 
-    def _prefill(self, most: int) -> int:
-        """A chunk (up to `most` tokens) of the prefilling job's prompt; its last, and the job is
-        active. The prompt tokens it fed."""
-        prefill, self.prefilling = self.prefilling, None
+    def _prefill(self, prefill: Prefill, most: int) -> int:
+        """Up to `most` more tokens of a job's prompt; with its last, the job is active; a cancelled
+        one is dropped. The prompt tokens it fed."""
         job, fed = prefill.job, 0
         if job.cancelled.is_set():
+            self.prefilling.remove(prefill)
             self.decoder.prompt_cache.store(*prefill.slots, job.key_name)  # what it fed is a prefix worth keeping
             self.cancelled += 1
             return fed
@@ -238,44 +226,41 @@ class Engine:
             fed = min(most, prefill.left)
             if prefill.left > most:
                 prefill.feed(self.pair, most)
-                self.prefilling = prefill
             else:
+                self.prefilling.remove(prefill)
                 self.active.append(self.decoder.start(job, self.decoder.scheduler, prefill))
         except Exception as e:  # its caches are not kept
+            if prefill in self.prefilling:
+                self.prefilling.remove(prefill)
             self._fail(job, e)
         self._make_room()
         return fed
 
     def _make_room(self) -> None:
         """The prompt cache keeps what the active (and prefilling) requests' caches leave of the budget."""
-        held = sum(r.nbytes for r in self.active) + (self.prefilling.nbytes() if self.prefilling else 0)
+        held = sum(r.nbytes for r in self.active) + sum(p.nbytes() for p in self.prefilling)
         self.decoder.prompt_cache.make_room(self.cfg.cache_bytes - held)
 
     def _round(self) -> None:
-        """One round of every active job: plan the drafts, verify them in one target forward, take."""
+        """One round of every active job (round_together: plan the drafts, verify them in one target
+        forward, take); a job whose client went away finishes instead, one that fails is dropped."""
         if self._round_ended is not None:
             self.longest_round_pause_s = max(self.longest_round_pause_s, time.monotonic() - self._round_ended)
         self._round_ended = None
-        planned = []
-        for running in list(self.active):
-            if running.job.cancelled.is_set():
-                self._finish(running)
-                continue
-            try:
-                failpoint("draft", running.job.label)
-                planned.append((running, running.decoding.plan()))
-            except Exception as e:
-                self._drop(running, e)
-        if not planned:
+        for running in [r for r in self.active if r.job.cancelled.is_set()]:
+            self._finish(running)
+        rows = list(self.active)
+        if not rows:
             return
-        self.most_active = max(self.most_active, len(planned))
+        self.most_active = max(self.most_active, len(rows))
         over = []
-        for (running, _), verified in zip(planned, self._verify(planned)):
-            if isinstance(verified, Exception):
-                self._drop(running, verified)
+        taken = round_together([r.decoding for r in rows], lambda step, i: failpoint(step, rows[i].job.label))
+        for running, outcome in zip(rows, taken):
+            if isinstance(outcome, Exception):
+                self._drop(running, outcome)
                 continue
             try:
-                if running.take(*verified, self.decoder.token_bytes):
+                if running.add(outcome[0], self.decoder.token_bytes):
                     over.append(running)
             except Exception as e:
                 self._drop(running, e)
@@ -286,24 +271,6 @@ class Engine:
             log.warning("%.1fs between two rounds finishing %d replies", seconds, len(over))
         if not self.active:
             self._round_ended = None
-
-    def _verify(self, planned: list) -> list:
-        """Each planned job's (logits, seconds) from one target forward. If that forward fails (the
-        caches then hold what they held before), each job is verified by a forward of its own, so
-        only a job that fails alone fails: its exception stands in its place."""
-        try:
-            return _forward_rounds(planned)
-        except Exception as e:
-            if len(planned) == 1:
-                return [e]
-            log.warning("a verification of %d requests failed (%r): verifying them one at a time", len(planned), e)
-        verified = []
-        for row in planned:
-            try:
-                verified += _forward_rounds([row])
-            except Exception as e:
-                verified.append(e)
-        return verified
 
     def _finish(self, running: Running) -> None:
         """A job whose reply is over: its caches to the prompt cache, its result to its client,
@@ -364,12 +331,3 @@ def release_memory() -> None:
     mx.clear_cache()
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
-
-
-def _forward_rounds(planned: list) -> list:
-    """forward_rounds over planned (running, tree) pairs."""
-    from omnidraft_mlx.decode.batch import forward_rounds
-
-    for running, _ in planned:
-        failpoint("verify", running.job.label)
-    return forward_rounds([r.decoding for r, _ in planned], [tree for _, tree in planned])

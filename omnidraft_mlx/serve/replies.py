@@ -3,9 +3,10 @@
 Content, tool calls (message.tool_calls, or delta.tool_calls once a call parses)
 and the target's log-probabilities (choices[0].logprobs.content) come from the
 job's events (request.py). `usage` has prompt, completion and cached
-prompt tokens, and `usage.speculative` what the drafter did. A client that goes away cancels its job: a waiting
-request notices within half a second, a stream when its next event is sent
-(a queued stream gets an SSE comment every few seconds, so it notices too).
+prompt tokens, and `usage.speculative` what the drafter did. A client that goes away cancels its
+job at once, so the engine drops it before its next round: a whole reply's request watches for the
+disconnect while it waits (hung_up), a stream's is heard by Starlette's StreamingResponse, which
+then closes the stream (events()).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def usage(result: Result) -> dict:
 
 
 def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def finish_reason(result: Result) -> str:
@@ -74,19 +75,28 @@ async def gather(request: Request, job: Job) -> tuple[dict, Result] | None:
     """The job's events once it is done: ({"text", "tool_calls", "logprobs": [...]}, its Result); an
     error event raises its ApiError; None when the client went away (its job cancelled)."""
     got = {"text": [], "tool_calls": [], "logprobs": []}
-    while True:
-        try:
-            kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.5)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancelled.set()
+    watch = asyncio.create_task(hung_up(request, job))
+    try:
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "gone":
                 return None
-            continue
-        if kind == "error":
-            raise payload
-        if kind == "done":
-            return got, payload
-        got[kind] += [payload] if kind == "text" else payload
+            if kind == "error":
+                raise payload
+            if kind == "done":
+                return got, payload
+            got[kind] += [payload] if kind == "text" else payload
+    finally:
+        watch.cancel()
+
+
+async def hung_up(request: Request, job: Job) -> None:
+    """Wait for the client to go away (the ASGI 'http.disconnect'; its body was read, so nothing else
+    comes), then cancel its job and wake its waiter with a ("gone", None) event."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled.set()
+    job.events.put_nowait(("gone", None))
 
 
 def gone() -> JSONResponse:

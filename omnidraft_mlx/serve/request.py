@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from omnidraft_mlx.serve.config import ServeConfig
 
 
-@dataclass
+@dataclass(eq=False)  # one request: two are never the same, whatever they hold
 class Job:
     """One request's generation: its prompts and settings; events flow back to the request's loop."""
 
@@ -58,6 +58,11 @@ class Job:
     # Its time to first token counts from here, as its client's does: waits in the queue (for a
     # drafter update's slice, for its turn to prefill) included.
     arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def longest(self) -> int:
+        """Target tokens in its caches when its reply is as long as it may get."""
+        return len(self.target_ids) + self.spec.max_tokens
 
     def emit(self, kind: str, payload) -> None:
         try:
@@ -184,7 +189,7 @@ class Decoder:
         }
 
 
-@dataclass
+@dataclass(eq=False)
 class Prefill:
     """A job admitted, its prompts fed into its caches a chunk at a time between the active
     requests' rounds (chunked prefill: a long prompt does not hold the other streams for all of
@@ -232,15 +237,9 @@ class Running:
         slots = (self.decoding.target, self.decoding.draft_slot)
         return sum(c.nbytes for slot in slots if slot is not None for c in slot.cache)
 
-    @property
-    def length(self) -> int:
-        """Target tokens in its caches when its reply is as long as it may get."""
-        return len(self.job.target_ids) + self.job.spec.max_tokens
-
-    def take(self, out, forward_s: float, token_bytes) -> bool:
-        """A round's logits (Decoding.take) -> the reply's events; whether the reply is over."""
+    def add(self, new: list[int], token_bytes) -> bool:
+        """A round's new target ids (its decoding's take()) -> the reply's events; whether the reply is over."""
         job = self.job
-        new, _ = self.decoding.take(out, forward_s)
         self.ttft = self.ttft if self.ttft is not None else time.monotonic() - job.arrived
         self.ids += new
         if self.rows and (logprobs := token_logprobs(self.rows.pop(), new, job.logprobs, token_bytes)):

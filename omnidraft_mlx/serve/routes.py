@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.serve import messages, responses
+from omnidraft_mlx.serve.admission import ClientShare
 from omnidraft_mlx.serve.keys import SCOPE_NAME, Keys, key_name
 from omnidraft_mlx.serve.replies import complete, error_response, stream, submit
 from omnidraft_mlx.serve.schema import (
@@ -120,6 +121,7 @@ def make_app(engine, keys: Keys | None = None) -> FastAPI:
     cfg = engine.cfg
     app = FastAPI(title="omnidraft", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
+    app.add_middleware(ClientShare, most=cfg.max_per_client, refuse=error_reply)  # inside the key check
     if keys is not None:
         app.add_middleware(RequireKey, keys=keys)
 

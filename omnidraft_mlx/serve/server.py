@@ -9,6 +9,7 @@ saved. The parts, each its own module in serve/:
   routes.py      the FastAPI app: routes, error bodies, the API key
   replies.py     a job's events as one JSON reply or server-sent events
   engine.py      the queue and the active requests, decoded together a round at a time
+  admission.py   who may wait (queue, per-client share: 429; shutting down: 503), in what order
   request.py     one request: prompts encoded, its decoding on the prompt cache, its events
   text.py        the reply's text cut at stop strings, split into content and tool calls
   tools.py       tools to the chat template, tool_choice, the target's tool-call parser
@@ -65,7 +66,14 @@ def serve(
     engine = Engine(cfg, resolver)
     engine.load()
     http = uvicorn.Server(
-        uvicorn.Config(make_app(engine, keys), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.Config(
+            make_app(engine, keys),
+            host=host,
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            limit_concurrency=cfg.max_connections,  # past it uvicorn answers 503 (admission.py)
+        )
     )
     web = threading.Thread(target=http.run, name="omnidraft-http", daemon=True)
     web.start()

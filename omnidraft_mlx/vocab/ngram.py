@@ -99,6 +99,9 @@ class NGramCache:
     def save(self, path: str | Path) -> None:
         rows = [[list(g), t, self.uses[g]] for g, t in self.entries.items()]
         atomic_write_text(path, json.dumps({"capacity": self.capacity, "entries": rows}))
+
+    def mark_saved(self) -> None:
+        """What was saved is shared from now on (the profile calls it once its manifest names the file)."""
         self.fresh, self.used = set(), Counter()
 
     @classmethod
