@@ -14,7 +14,8 @@ request uses the server's one scheduler, so what it measured on each request ser
 all. The engine runs in the main thread (MLX does all its work there: a process whose other
 threads ran a model aborts at exit). A request whose client went away leaves the queue, its
 prefill or its row before the next round. When no request is active and the queue is
-empty, the pair learns and saves (learning.py).
+empty, the pair learns and saves (learn/online.py); under constant load it saves between
+two rounds too.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from omnidraft_mlx.decode.kvcache import PREFILL_CHUNK
 from omnidraft_mlx.decode.speculative import round_together
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.failpoints import failpoint
+from omnidraft_mlx.learn.online import Learning, make_learner
 from omnidraft_mlx.paths import LOCAL, Resolver
 from omnidraft_mlx.serve.admission import Waiting, prompt_left, shutting_down, turn
-from omnidraft_mlx.serve.learning import Learning
 from omnidraft_mlx.serve.request import Decoder, Job, Prefill, Running
 from omnidraft_mlx.serve.schema import ApiError
 
@@ -89,7 +90,6 @@ class Engine:
         self.waiting.put(job)
 
     def load(self) -> None:
-        from omnidraft_mlx.chat import make_learner
         from omnidraft_mlx.decode.policy import make_policy
         from omnidraft_mlx.decode.promptcache import PromptCache
         from omnidraft_mlx.decode.scheduler import Scheduler
@@ -153,6 +153,7 @@ class Engine:
                 log.warning("%.1fs between two rounds feeding %d prompt tokens", seconds, fed)
         if self.active:
             self._round()
+            self.learning.between_rounds()  # under constant load, saves at most SAVE_EVERY_S apart
 
     def _prefill_budget(self) -> int:
         """Prompt tokens to feed before the next round, new requests together: with requests under way,
@@ -171,7 +172,7 @@ class Engine:
         self.active, self.prefilling = [], []
         for job in jobs:
             job.emit("error", stopping)
-        self.learning.save()
+        self.learning.close()
 
     def _fits(self, job: Job) -> bool:
         """Room in --cache-bytes for the caches of the active requests, the prompts being fed and
