@@ -7,7 +7,9 @@ then one at a time, the same clients and prompts), starts the server in its own
 process on a free port of 127.0.0.1 (with --no-profile: the run neither reads
 nor changes the pair's profile; otherwise as a user runs it, and --batch), then
 --clients clients, each sending --requests streaming greedy chat requests one
-after another (the chat task's prompts, in order, each client its own), with
+after another (the chat task's prompts, in order, each client its own; the first
+--long-clients send long prompts instead, about --long-tokens each, every one its
+own: a mix in which short prompts must not wait behind long prefills), with
 the official `openai` client. A request's latency includes any wait in the
 queue. After the servers have stopped (so that nothing shares the CPU), the
 target decodes every prompt plainly in this process. Checks: every reply
@@ -188,6 +190,17 @@ def repeated_prompt(url: str, model: str, prompts: list, examples: int, max_toke
     }
 
 
+def long_messages(prompts: list, j: int, tokens: int) -> list[dict]:
+    """The j-th long request: about `tokens` tokens (4 characters each) of chat prompts from the j-th on as
+    examples in its system prompt, a prompt of its own (the prompt cache holds none of it), then a question."""
+    examples, i = [], j
+    while sum(len(e) for e in examples) < 4 * tokens:
+        examples.append(prompts[i % len(prompts)].text)
+        i += 1
+    system = "Answer as these examples ask to be answered:\n" + "\n".join(examples)
+    return [{"role": "system", "content": system}, {"role": "user", "content": prompts[j % len(prompts)].text}]
+
+
 def plain_replies(target: str, requests: list[Request], max_tokens: int) -> dict[str, str]:
     """The target's own greedy reply to each prompt (mlx-lm's generate_step)."""
     from omnidraft_mlx.decode.plain import PlainStats, plain_generate
@@ -218,6 +231,8 @@ def serve_clients(args, batch: int, prompts: list, repeat: bool) -> dict:
         Request(i % args.clients, p.id, p.messages())
         for i, p in enumerate(prompts[j % len(prompts)] for j in range(total))
     ]
+    for j, r in enumerate(r for r in requests if r.client < args.long_clients):  # a mix: long prompts beside short
+        r.prompt_id, r.messages = f"long/{j}", long_messages(prompts, j, args.long_tokens)
     server = ServerProcess(
         args.draft, args.target, args.out / f"server-batch{batch}.log", "--no-profile", "--batch", str(batch)
     )
@@ -292,6 +307,8 @@ def main(argv=None) -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=4, help="requests per client, one after another")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--long-clients", type=int, default=0, help="clients whose every prompt is long (--long-tokens)")
+    ap.add_argument("--long-tokens", type=int, default=1500, help="a long prompt's length, about")
     ap.add_argument("--batch", default="8,1", help="the server's --batch per run, in order (1: one at a time)")
     ap.add_argument(
         "--repeat-examples",
@@ -327,6 +344,8 @@ def main(argv=None) -> None:
             "batches": batches,
             "requests_per_client": args.requests,
             "max_tokens": args.max_tokens,
+            "long_clients": args.long_clients,
+            "long_tokens": args.long_tokens,
             "greedy": True,
             "server_args": ["--no-profile", "--batch B"],
         },
