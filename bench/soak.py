@@ -307,10 +307,10 @@ def main(argv=None) -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="omnidraft-soak-"))  # a new machine's: the user's profile untouched
-    for name in (args.draft, args.target):  # its models as if pulled there: named, never a path of this machine
-        (home / "models").mkdir(exist_ok=True)
-        (home / "models" / name).symlink_to(CATALOG_RESOLVER.path(name))
-    draft, target = args.draft, args.target
+    draft, target = Path(args.draft).name, Path(args.target).name  # named, never a path of this machine:
+    (home / "models").mkdir()
+    for name, model in ((draft, args.draft), (target, args.target)):  # its models as if pulled there
+        (home / "models" / name).symlink_to(CATALOG_RESOLVER.path(model))
     key = "soak-key"
     prompts = Prompts(args.chat_prompts, args.long_examples)
     env = {"OMNIDRAFT_HOME": str(home)}
