@@ -153,18 +153,16 @@ class Learning:
         return True
 
     def close(self) -> None:
-        """The last save, at exit: whatever the backoff, waiting EXIT_WAIT_S at most for another
-        process's lock; if it fails, says what is lost."""
-        if self.profile is None or not self.dirty:
+        """The last save, at exit, dirty or not (replies cut short by the exit taught the n-grams
+        too): whatever the backoff, waiting EXIT_WAIT_S at most for another process's lock; if it
+        fails, says what is lost."""
+        if self.profile is None:
             return
         try:
             self._save(EXIT_WAIT_S)
         except Exception as e:
-            log.error(
-                "%s: what was learned in the last %.0fs is lost (not saved)",
-                self._save_failed(e),
-                time.monotonic() - self.unsaved_since,
-            )
+            since = "its last save" if self.saves else "it started"
+            log.error("%s: what this process learned since %s is lost (not saved)", self._save_failed(e), since)
 
     def _save(self, wait_s: float) -> None:
         start = time.monotonic()
