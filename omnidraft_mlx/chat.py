@@ -60,10 +60,6 @@ class Conversation:
         """The messages the models see."""
         return self._head() + self.turns[self.first :]
 
-    def latest(self) -> list[dict]:
-        """The system prompt and the newest message."""
-        return self._head() + self.turns[-1:]
-
     def drop_oldest_exchange(self) -> int:
         """Stop sending the oldest user message and the replies after it; how many went."""
         end = self.first + 1
