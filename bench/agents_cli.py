@@ -372,6 +372,7 @@ def run_task(agent: str, exe: str, task: Task, args, recorder: Recorder, work: P
 def prompt_ids(turn: dict, tok) -> list[int] | None:
     """The target's prompt of a recorded request, rendered as the server renders it (None: not a turn)."""
     from omnidraft_mlx.serve import messages, responses
+    from omnidraft_mlx.serve.config import Limits
     from omnidraft_mlx.serve.schema import chat_messages
     from omnidraft_mlx.serve.tools import encode, plan_tools
 
@@ -380,9 +381,9 @@ def prompt_ids(turn: dict, tok) -> list[int] | None:
         req = responses.ResponsesRequest.model_validate(body)
         if req.previous_response_id:
             return None  # its conversation lived in the server
-        chat = responses.chat_request(req, responses.input_messages(req.input))
+        chat = responses.chat_request(req, responses.input_messages(req.input), Limits())
     elif turn["path"] == "/v1/messages":
-        chat = messages.chat_request(messages.MessagesRequest.model_validate(body))
+        chat = messages.chat_request(messages.MessagesRequest.model_validate(body), Limits())
     else:
         return None
     pair = SimpleNamespace(draft_tok=tok, target_tok=tok)

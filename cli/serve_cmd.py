@@ -11,6 +11,9 @@ import typer
 
 from omnidraft_mlx.cli import options
 from omnidraft_mlx.decode.promptcache import DEFAULT_CACHE_BYTES
+from omnidraft_mlx.serve.config import Limits
+
+LIMITS = Limits()  # the defaults of the --max-* flags
 
 
 def serve(
@@ -77,6 +80,27 @@ def serve(
         128, "--max-connections", help="Open HTTP connections; past that a request gets 503 (keep below ulimit -n)."
     ),
     no_profile: bool = options.NO_PROFILE,
+    allowed_hosts: str = typer.Option(
+        "",
+        "--allowed-hosts",
+        help="Host names the server answers to besides IP addresses, localhost and --host, joined by commas; "
+        "'*': any. Others get 403 (a page on another site can reach this machine through its own name).",
+    ),
+    cors: str = typer.Option(
+        "",
+        "--cors",
+        help="Web origins (https://app.example) whose pages may call the server, joined by commas; '*': any. "
+        "Requests from other pages get 403, and no CORS headers are sent.",
+    ),
+    max_body_bytes: int = typer.Option(LIMITS.body_bytes, "--max-body-bytes", help="Largest request body (413)."),
+    max_json_depth: int = typer.Option(LIMITS.json_depth, "--max-json-depth", help="Deepest nesting of a body."),
+    max_messages: int = typer.Option(LIMITS.messages, "--max-messages", help="Most messages in a request."),
+    max_tools: int = typer.Option(LIMITS.tools, "--max-tools", help="Most tools in a request."),
+    max_schema_bytes: int = typer.Option(
+        LIMITS.schema_bytes, "--max-schema-bytes", help="Largest JSON schema of a tool's parameters."
+    ),
+    max_stops: int = typer.Option(LIMITS.stops, "--max-stops", help="Most stop strings in a request."),
+    max_stop_chars: int = typer.Option(LIMITS.stop_chars, "--max-stop-chars", help="Longest stop string."),
 ) -> None:
     """Serve TARGET (the model name clients ask for), DRAFT speculating, over the OpenAI HTTP API
     (/v1/chat/completions, /v1/completions)."""
@@ -120,6 +144,17 @@ def serve(
         max_queue=max_queue,
         max_per_client=max_per_client,
         max_connections=max_connections,
+        limits=Limits(
+            body_bytes=max_body_bytes,
+            json_depth=max_json_depth,
+            messages=max_messages,
+            tools=max_tools,
+            schema_bytes=max_schema_bytes,
+            stops=max_stops,
+            stop_chars=max_stop_chars,
+        ),
+        allowed_hosts=[host, *names(allowed_hosts)],
+        cors=names(cors),
     )
     warn_if_slow_blas(err_console)
 
@@ -137,3 +172,8 @@ def serve(
 
     console.print(f"[dim]loading {draft} and {target}[/]")
     run_server(cfg, host, port, ready, resolver=CATALOG_RESOLVER)
+
+
+def names(joined: str) -> list[str]:
+    """A flag's comma-joined list."""
+    return [n.strip() for n in joined.split(",") if n.strip()]

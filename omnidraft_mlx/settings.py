@@ -39,6 +39,11 @@ def setting(
     return field(default=default, default_factory=factory, metadata={_CHECK: check})
 
 
+def flag_of(settings, name: str) -> str:
+    """The command-line flag that sets the field `name` (declared with setting())."""
+    return next(f for f in fields(settings) if f.name == name).metadata[_CHECK].flag
+
+
 def check_settings(settings) -> None:
     """Raise a one-line OmniDraftError for the first field declared with setting() out of its range."""
     for f in fields(settings):

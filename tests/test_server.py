@@ -132,7 +132,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
 
     def post(body, **kw):
         body_arg = {"content": body} if isinstance(body, str) else {"json": body}
-        return httpx.post(url, headers=kw.get("headers", auth), timeout=60, **body_arg)
+        headers = {"Content-Type": "application/json", **kw.get("headers", auth)}  # as a client sends JSON
+        return httpx.post(url, headers=headers, timeout=60, **body_arg)
 
     assert "not valid JSON" in error_of(post('{"messages": [{"role": "user"'), 400)["message"]
     assert error_of(post({**ok, "temperature": 5}), 400)["param"] == "temperature"

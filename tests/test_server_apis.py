@@ -199,7 +199,7 @@ def test_bad_bodies_get_each_apis_errors_and_the_server_keeps_serving(server):
 
     def post(path, body, headers=auth):
         kw = {"content": body} if isinstance(body, str) else {"json": body}
-        return httpx.post(server.url + path, headers=headers, timeout=60, **kw)
+        return httpx.post(server.url + path, headers={"Content-Type": "application/json", **headers}, timeout=60, **kw)
 
     ok = {"input": "def add_3(x):", "max_output_tokens": 4}
     assert "not valid JSON" in error_of(post("/v1/responses", '{"input": '), 400)["message"]

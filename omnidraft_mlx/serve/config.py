@@ -14,6 +14,23 @@ from omnidraft_mlx.settings import check_settings, setting
 
 
 @dataclass(kw_only=True)
+class Limits:
+    """What one request may hold: past a limit it is refused with a 4xx naming the flag that raises it,
+    before any work that grows with it (schema.py)."""
+
+    body_bytes: int = setting(8 << 20, flag="--max-body-bytes", low=1)
+    json_depth: int = setting(64, flag="--max-json-depth", low=2)  # nesting of the JSON body
+    messages: int = setting(4096, flag="--max-messages", low=1)
+    tools: int = setting(512, flag="--max-tools", low=0)
+    schema_bytes: int = setting(64 << 10, flag="--max-schema-bytes", low=2)  # one tool's parameters, as JSON
+    stops: int = setting(4, flag="--max-stops", low=0)
+    stop_chars: int = setting(1024, flag="--max-stop-chars", low=1)  # the text held back grows with it
+
+    def __post_init__(self):
+        check_settings(self)
+
+
+@dataclass(kw_only=True)
 class ServeConfig:
     draft: str
     target: str
@@ -37,6 +54,11 @@ class ServeConfig:
     max_queue: int = setting(64, flag="--max-queue", low=1)
     max_per_client: int = setting(16, flag="--max-per-client", low=1)
     max_connections: int = setting(128, flag="--max-connections", low=1)
+    limits: Limits = field(default_factory=Limits)
+    # Web safety (routes.WebGuard): Host names served besides IP addresses and localhost ("*": any),
+    # and the web origins that may call the server (CORS; "*": any).
+    allowed_hosts: list[str] = field(default_factory=list)
+    cors: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         check_settings(self)

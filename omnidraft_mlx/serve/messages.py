@@ -23,10 +23,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from omnidraft_mlx.serve.config import Limits
 from omnidraft_mlx.serve.keys import key_name
 from omnidraft_mlx.serve.replies import gather, gone, reply_events, sse, submit
 from omnidraft_mlx.serve.request import Result
-from omnidraft_mlx.serve.schema import ApiError, ChatRequest, chat_messages, parse, validate
+from omnidraft_mlx.serve.schema import ApiError, ChatRequest, chat_messages, check_stops, parse, validate
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -34,6 +35,7 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
 }
@@ -46,7 +48,7 @@ def error_body(e: ApiError) -> dict:
 
 
 def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(e), status_code=e.status)
+    return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
 
 
 class MessagesRequest(BaseModel):
@@ -68,7 +70,8 @@ class MessagesRequest(BaseModel):
     top_k: int | None = None
     stream: bool = False
 
-    def check(self) -> None:
+    def check(self, limits: Limits) -> None:
+        check_stops(self.stop_sequences or [], limits, "stop_sequences")
         if self.top_k is not None:
             raise ApiError(
                 400, "top_k: not supported (the reply is the target's own distribution); leave it out", "top_k"
@@ -93,8 +96,14 @@ def text_of(content, where: str) -> str:
     for j, block in enumerate(content if isinstance(content, list) else [None]):
         if not isinstance(block, dict) or block.get("type") != "text":
             raise ApiError(400, f"{where}.{j}: only text blocks are supported here", f"{where}.{j}")
-        texts.append(block.get("text") or "")
+        texts.append(block_text(block, f"{where}.{j}"))
     return "\n".join(texts)
+
+
+def block_text(block: dict, where: str) -> str:
+    if not isinstance(text := block.get("text") or "", str):
+        raise ApiError(400, f"{where}.text: a string", f"{where}.text")
+    return text
 
 
 def message_list(req: MessagesRequest) -> list[dict]:
@@ -114,7 +123,7 @@ def message_list(req: MessagesRequest) -> list[dict]:
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
-                texts.append(block.get("text") or "")
+                texts.append(block_text(block, f"{where}.content.{j}"))
             elif kind == "tool_use" and role == "assistant":
                 call = {"name": block.get("name"), "arguments": block.get("input") or {}}
                 calls.append({"id": block.get("id"), "type": "function", "function": call})
@@ -137,6 +146,8 @@ def chat_tools(req: MessagesRequest) -> dict:
     tools = []
     for i, tool in enumerate(req.tools or []):
         kind = tool.get("type", "custom")
+        if not isinstance(kind, str):
+            raise ApiError(400, f"tools.{i}.type: a string ('custom', or left out)", f"tools.{i}.type")
         if kind.startswith(SERVER_TOOLS):
             continue  # a tool Anthropic's servers run: none runs here, so it is not offered to the model
         if kind != "custom":
@@ -159,9 +170,7 @@ def chat_tools(req: MessagesRequest) -> dict:
     return {"tools": tools or None, "tool_choice": "required" if choice == "any" else choice}
 
 
-def chat_request(req: MessagesRequest) -> ChatRequest:
-    if len(req.stop_sequences or []) > 4:
-        raise ApiError(400, "stop_sequences: up to 4 non-empty strings", "stop_sequences")
+def chat_request(req: MessagesRequest, limits: Limits) -> ChatRequest:
     body = {
         "model": req.model,
         "messages": message_list(req),
@@ -172,7 +181,7 @@ def chat_request(req: MessagesRequest) -> ChatRequest:
         "stream": req.stream,
         **chat_tools(req),
     }
-    return validate(ChatRequest, {k: v for k, v in body.items() if v is not None})
+    return validate(ChatRequest, {k: v for k, v in body.items() if v is not None}, limits)
 
 
 def usage(result: Result) -> dict:
@@ -280,9 +289,11 @@ async def streamed(job, reply: Reply):
 
 
 def add_routes(app: FastAPI, engine) -> None:
+    limits = engine.cfg.limits
+
     @app.post("/v1/messages")
     async def create(request: Request):
-        chat = chat_request(await parse(request, MessagesRequest))
+        chat = chat_request(await parse(request, MessagesRequest, limits), limits)
         job = await submit(engine, chat, chat_messages(chat), raw=False, key_name=key_name(request))
         reply = Reply(engine.cfg.target, len(job.target_ids))
         if chat.stream:
@@ -298,7 +309,8 @@ def add_routes(app: FastAPI, engine) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def tokens(request: Request):
-        chat = chat_request(await parse(request, MessagesRequest))  # encoded as it would be decoded, not queued
+        # Encoded as it would be decoded, not queued.
+        chat = chat_request(await parse(request, MessagesRequest, limits), limits)
         job = await run_in_threadpool(
             engine.decoder.prepare, chat_messages(chat), False, chat, asyncio.get_running_loop()
         )

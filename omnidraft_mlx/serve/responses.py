@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnidraft_mlx.serve.config import Limits
 from omnidraft_mlx.serve.keys import key_name
 from omnidraft_mlx.serve.replies import gather, gone, message, reply_events, sse, submit
 from omnidraft_mlx.serve.request import Result
@@ -42,6 +43,16 @@ UNSUPPORTED = {
 CLIENT_TOOLS = ("custom", "local_shell", "shell", "apply_patch", "computer_use_preview", "computer")
 
 
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str = "text"
+
+
+class TextOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(BaseModel):
     """The body of POST /v1/responses. Fields that do not change the answer (store's others,
     metadata, user, parallel_tool_calls, reasoning, include, truncation, service_tier,
@@ -59,13 +70,13 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = None
     stream: bool = False
     store: bool = True
-    text: dict | None = None
+    text: TextOptions | None = None
 
-    def check(self) -> None:
+    def check(self, limits: Limits) -> None:
         for name, why in UNSUPPORTED.items():
             if (self.model_extra or {}).get(name):
                 raise ApiError(400, f"{name}: not supported ({why}); leave it out", name)
-        kind = ((self.text or {}).get("format") or {}).get("type", "text")
+        kind = self.text.format.type if self.text and self.text.format else "text"
         if kind != "text":
             raise ApiError(
                 400,
@@ -88,7 +99,9 @@ def text_of(content, where: str) -> str:
             raise ApiError(
                 400, f"{where}.{j}.type: '{kind}' parts are not supported: only text (input_text, output_text)", where
             )
-        texts.append(part.get("refusal" if kind == "refusal" else "text") or "")
+        if not isinstance(text := part.get("refusal" if kind == "refusal" else "text") or "", str):
+            raise ApiError(400, f"{where}.{j}: its text, a string", f"{where}.{j}")
+        texts.append(text)
     return "".join(texts)
 
 
@@ -134,11 +147,17 @@ def function_tools(tools: list[dict], where: str = "tools") -> tuple[list[dict],
     Client tools that are called otherwise than with JSON arguments (custom, local_shell, ...) get a 400."""
     out, namespaces = [], {}
     for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise ApiError(400, f"{where}.{i}: a tool, an object", f"{where}.{i}")
         kind = tool.get("type")
         if kind == "function":
+            if not isinstance(tool.get("name"), str):
+                raise ApiError(400, f"{where}.{i}.name: the function's name, a string", f"{where}.{i}.name")
             out.append({"type": "function", "function": {k: v for k, v in tool.items() if k not in ("type", "strict")}})
         elif kind == "namespace":
-            inner, _ = function_tools(tool.get("tools") or [], f"{where}.{i}.tools")
+            if not isinstance(inner := tool.get("tools") or [], list):
+                raise ApiError(400, f"{where}.{i}.tools: the namespace's tools, a list", f"{where}.{i}.tools")
+            inner, _ = function_tools(inner, f"{where}.{i}.tools")
             out += inner
             namespaces.update((t["function"]["name"], tool.get("name")) for t in inner)
         elif kind in CLIENT_TOOLS:
@@ -159,7 +178,7 @@ def chat_tools(req: ResponsesRequest) -> dict:
     return {"tools": tools or None, "tool_choice": choice}
 
 
-def chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatRequest:
+def chat_request(req: ResponsesRequest, conversation: list[dict], limits: Limits) -> ChatRequest:
     """The chat route's request for this one: instructions as the system message, then the conversation."""
     if not conversation:
         raise ApiError(400, "input: give at least one message", "input")
@@ -173,7 +192,7 @@ def chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatRequest
         "stream": req.stream,
         **chat_tools(req),
     }
-    return validate(ChatRequest, {k: v for k, v in body.items() if v is not None})
+    return validate(ChatRequest, {k: v for k, v in body.items() if v is not None}, limits)
 
 
 def usage(result: Result) -> dict:
@@ -350,11 +369,11 @@ def add_routes(app: FastAPI, engine) -> None:
 
     @app.post("/v1/responses")
     async def create(request: Request):
-        req, key = await parse(request, ResponsesRequest), key_name(request)
+        req, key = await parse(request, ResponsesRequest, engine.cfg.limits), key_name(request)
         conversation = (kept.get(key, req.previous_response_id) if req.previous_response_id else []) + input_messages(
             req.input
         )
-        chat = chat_request(req, conversation)
+        chat = chat_request(req, conversation, engine.cfg.limits)
         job = await submit(engine, chat, chat_messages(chat), raw=False, key_name=key)
 
         def keep(reply: Reply) -> None:

@@ -9,6 +9,7 @@ reaches the client as an OpenAI error body; nothing here stops the server.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import secrets
 import time
@@ -16,6 +17,7 @@ import traceback
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -72,6 +74,54 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
+class WebGuard:
+    """ASGI middleware against web pages, for a server on the user's own machine: a page's requests
+    carry its Origin, refused (403) unless --cors names it; a DNS-rebinding page (its own name
+    resolving to this machine) sends its name as Host, refused unless it is an IP address, localhost
+    or a name --allowed-hosts gives."""
+
+    def __init__(self, app, hosts: list[str], origins: list[str]):
+        self.app, self.hosts, self.origins = app, {h.lower() for h in hosts}, set(origins)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = Headers(scope=scope)
+            host, origin = host_name(headers.get("host", "")), headers.get("origin")
+            refused = None
+            if host and not self.host_allowed(host):
+                refused = ApiError(
+                    403,
+                    f"Host '{host}' is not a name this server answers to (a page on another site could be "
+                    f"using it): start the server with --allowed-hosts {host} if it is yours",
+                    code="host_not_allowed",
+                )
+            elif origin is not None and not ({"*", origin} & self.origins):
+                refused = ApiError(
+                    403,
+                    f"requests from web pages ({origin}) are refused: start the server with --cors {origin} "
+                    "to let that site's pages call it",
+                    code="origin_not_allowed",
+                )
+            if refused:
+                return await error_reply(scope["path"], refused)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def host_allowed(self, host: str) -> bool:
+        if "*" in self.hosts or host in self.hosts or host == "localhost" or host.endswith(".localhost"):
+            return True
+        try:  # an address: no page on another site reaches the server through one of its names
+            ipaddress.ip_address(host.strip("[]"))
+            return True
+        except ValueError:
+            return False
+
+
+def host_name(host: str) -> str:
+    """The Host header's name or address, without its port."""
+    host = host.lower()
+    return host[: host.index("]") + 1] if host.startswith("[") and "]" in host else host.split(":")[0]
+
+
 def shown(model: str) -> str:
     """A model as /health shows it: a local directory by its name alone (where it lies on this
     machine is nobody's business but the operator's)."""
@@ -124,6 +174,9 @@ def make_app(engine, keys: Keys | None = None) -> FastAPI:
     app.add_middleware(ClientShare, most=cfg.max_per_client, refuse=error_reply)  # inside the key check
     if keys is not None:
         app.add_middleware(RequireKey, keys=keys)
+    if cfg.cors:  # outside RequireKey: a browser's preflight brings no key
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.cors, allow_methods=["GET", "POST"], allow_headers=["*"])
+    app.add_middleware(WebGuard, hosts=cfg.allowed_hosts, origins=cfg.cors)  # outermost: before anything else
 
     @app.get("/health")
     async def health():
@@ -159,12 +212,12 @@ def make_app(engine, keys: Keys | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = await parse(request, ChatRequest)
+        req = await parse(request, ChatRequest, cfg.limits)
         return await respond(engine, request, req, chat_messages(req), raw=False, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = await parse(request, CompletionRequest)
+        req = await parse(request, CompletionRequest, cfg.limits)
         return await respond(
             engine, request, req, [{"role": "user", "content": completion_prompt(req)}], raw=True, chat=False
         )

@@ -2,7 +2,10 @@
 
 A request is validated here before it reaches the engine, so that a bad one gets
 a 4xx OpenAI-style error ({"error": {message, type, param, code}}) and never
-costs a decode.
+costs a decode. What a client controls is bounded (config.Limits): the body's
+size is checked as it is read, its nesting before it is validated, and the
+counts and sizes that the prompt and the reply's stop-string matching grow with
+before the request is encoded; each refusal names the serve flag that raises it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from typing import Literal
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from omnidraft_mlx.serve.config import Limits
+from omnidraft_mlx.settings import flag_of
 
 
 class ApiError(Exception):
@@ -32,6 +38,19 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def within(limits: Limits, name: str, where: str, got: int, unit: str, status: int = 400) -> None:
+    """A 4xx for `got` past the limit `name`, naming the flag that raises it. A 413 closes the
+    connection: the rest of the body is not read."""
+    if got > (limit := getattr(limits, name)):
+        raise ApiError(
+            status,
+            f"{where}: {got:,} {unit}, over this server's limit of {limit:,} (serve's {flag_of(limits, name)} sets it)",
+            where,
+            "limit_exceeded",
+            headers={"Connection": "close"} if status == 413 else None,
+        )
 
 
 class TextPart(BaseModel):
@@ -92,7 +111,7 @@ class StreamOptions(BaseModel):
 
 class Sampling(BaseModel):
     """Fields both endpoints take. Other OpenAI fields are accepted and ignored, but for those that
-    would change the answer: asked for at other than their defaults, they get a 400 (unsupported())."""
+    would change the answer: asked for at other than their defaults, they get a 400 (check())."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
@@ -110,13 +129,15 @@ class Sampling(BaseModel):
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
 
-    def unsupported(self) -> None:
-        """A 400 for a field that would change the answer and is not at its default (never ignored)."""
+    def check(self, limits: Limits) -> None:
+        """What a valid body may still ask that this server cannot give, or past its limits; a 400 for
+        a field that would change the answer and is not at its default (never ignored)."""
         for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
             if getattr(self, name):
                 raise ApiError(
                     400, f"{name}: not supported (the reply is the target's own distribution); leave it out", name
                 )
+        check_stops(stop_strings(self), limits, "stop")
 
 
 class ChatRequest(Sampling):
@@ -127,9 +148,13 @@ class ChatRequest(Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
 
-    def check(self) -> None:
-        """What a valid body may still ask that this server cannot give."""
-        self.unsupported()
+    def check(self, limits: Limits) -> None:
+        super().check(limits)
+        within(limits, "messages", "messages", len(self.messages), "messages")
+        within(limits, "tools", "tools", len(self.tools or []), "tools")
+        for i, t in enumerate(self.tools or []):
+            schema = len(json.dumps(t.function.parameters))
+            within(limits, "schema_bytes", f"tools.{i}.function.parameters", schema, "bytes")
         if self.response_format and self.response_format.type != "text":
             raise ApiError(
                 400,
@@ -145,8 +170,8 @@ class CompletionRequest(Sampling):
     prompt: str | list[str]
     logprobs: int | None = None
 
-    def check(self) -> None:
-        self.unsupported()
+    def check(self, limits: Limits) -> None:
+        super().check(limits)
         if self.logprobs is not None:
             raise ApiError(
                 400, "logprobs: not supported on /v1/completions; /v1/chat/completions gives them", "logprobs"
@@ -177,12 +202,14 @@ def chat_messages(req: ChatRequest) -> list[dict]:
 
 
 def arguments(args: str | dict, where: str) -> dict:
-    if isinstance(args, dict):
-        return args
+    """A call's arguments as an object (templates write them as one)."""
     try:
-        return json.loads(args or "{}")
+        args = args if isinstance(args, dict) else json.loads(args or "{}")
     except ValueError:
-        raise ApiError(400, f"{where}.function.arguments: not valid JSON", f"{where}.function.arguments") from None
+        args = None
+    if not isinstance(args, dict):
+        raise ApiError(400, f"{where}.function.arguments: a JSON object", f"{where}.function.arguments")
+    return args
 
 
 def completion_prompt(req: CompletionRequest) -> str:
@@ -194,24 +221,68 @@ def completion_prompt(req: CompletionRequest) -> str:
 
 
 def stop_strings(req: Sampling) -> list[str]:
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > 4 or not all(stops):
-        raise ApiError(400, "stop: up to 4 non-empty strings", "stop")
-    return stops
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
-async def parse(request: Request, kind: type[BaseModel]):
-    """The JSON body as `kind` (whatever the content type says, as mlx-lm's and llama.cpp's servers do)."""
+def check_stops(stops: list[str], limits: Limits, where: str) -> None:
+    """Stop strings are matched against every round of the reply, held back while they may begin."""
+    if not all(stops):
+        raise ApiError(400, f"{where}: stop strings must not be empty", where)
+    within(limits, "stops", where, len(stops), "stop strings")
+    for i, s in enumerate(stops):
+        within(limits, "stop_chars", f"{where}.{i}", len(s), "characters")
+
+
+async def parse(request: Request, kind: type[BaseModel], limits: Limits):
+    """The JSON body as `kind`, within the limits: a JSON content type (a web page cannot send one
+    without asking first, CORS's preflight), its size while it is read, its nesting before validation."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(
+            415,
+            f"the request body must be JSON sent as 'Content-Type: application/json' (got '{media or 'none'}')",
+            code="unsupported_media_type",
+        )
     try:
-        data = json.loads(await request.body())
+        data = json.loads(await read_body(request, limits))
     except ValueError as e:  # also bad UTF-8
         raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:  # nested far past any limit: the parser gave up
+        raise ApiError(400, f"the request body: nested deeper than the parser allows, {depth_limit(limits)}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    return validate(kind, data)
+    if depth(data, limits.json_depth) > limits.json_depth:
+        raise ApiError(400, f"the request body: {depth_limit(limits)}", code="limit_exceeded")
+    return validate(kind, data, limits)
 
 
-def validate(kind: type[BaseModel], data: dict):
+async def read_body(request: Request, limits: Limits) -> bytes:
+    """The body, refused (413) as soon as it is known to be too big: by its Content-Length, or while it
+    is read (a chunked body has none)."""
+    size = request.headers.get("content-length", "")
+    within(limits, "body_bytes", "the request body", int(size) if size.isdigit() else 0, "bytes", 413)
+    chunks, read = [], 0
+    async for chunk in request.stream():
+        read += len(chunk)
+        within(limits, "body_bytes", "the request body", read, "bytes (so far)", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def depth(data, most: int) -> int:
+    """How deeply `data`'s objects and arrays nest (counted to one past `most`), a level at a time."""
+    level, n = [data], 0
+    while level and n <= most:
+        n += 1
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (dict, list))]
+    return n
+
+
+def depth_limit(limits: Limits) -> str:
+    return f"objects and arrays nest at most {limits.json_depth} deep here (serve's {flag_of(limits, 'json_depth')})"
+
+
+def validate(kind: type[BaseModel], data: dict, limits: Limits):
     """`data` as `kind`, checked (its check()); a 400 naming the first field that is wrong."""
     try:
         req = kind.model_validate(data)
@@ -219,5 +290,5 @@ def validate(kind: type[BaseModel], data: dict):
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ApiError(400, f"{where}: {first['msg']}", where) from None
-    req.check()
+    req.check(limits)
     return req

@@ -16,27 +16,48 @@ from omnidraft_mlx.serve.tools import fence_opens, json_calls, may_be_json_calls
 from omnidraft_mlx.vocab.textstream import TextStream
 
 
-def held_back(text: str, markers: list[str]) -> int:
-    """How many characters at the end of `text` could begin one of the markers."""
-    return max((n for s in markers for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+class Marker:
+    """A string looked for in text that comes a character at a time (Knuth-Morris-Pratt): a state is
+    how many of the marker's first characters the text so far ends with; each character costs O(1)
+    amortized, so the text held back for a marker costs no more than the text itself."""
+
+    def __init__(self, text: str):
+        self.text, self.back = text, [0] * len(text)  # back[i]: the state to fall back to after text[: i + 1]
+        state = 0
+        for i in range(1, len(text)):
+            self.back[i] = state = self.step(state, text[i])
+
+    def step(self, state: int, c: str) -> int:
+        """The state after one more character `c`; len(text) once the marker is complete."""
+        while state and (state == len(self.text) or self.text[state] != c):
+            state = self.back[state - 1]
+        return state + (self.text[state] == c)
+
+    def held_back(self, text: str) -> int:
+        """How many characters at the end of `text` (holding no whole marker) could begin the marker."""
+        state = 0
+        for c in text[max(0, len(text) - len(self.text) + 1) :]:
+            state = self.step(state, c)
+        return state
 
 
 class StopText:
-    """Streamed text cut at the first stop string; text that may begin one is held back."""
+    """Streamed text cut at the first stop string to end; text that may begin one is held back."""
 
     def __init__(self, stops: list[str]):
-        self.stops, self.pending = stops, ""
+        self.stops, self.states, self.pending = [Marker(s) for s in stops], [0] * len(stops), ""
         self.reached: str | None = None  # the stop string that ended the text
 
     def add(self, text: str) -> tuple[str, bool]:
         """(text safe to send, whether a stop string was reached)."""
-        self.pending += text
-        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
-        if hits:
-            i, self.reached = min(hits)
-            out, self.pending = self.pending[:i], ""
-            return out, True
-        cut = len(self.pending) - held_back(self.pending, self.stops)
+        start, self.pending = len(self.pending), self.pending + text
+        for i in range(start, len(self.pending)):
+            for j, stop in enumerate(self.stops):
+                self.states[j] = stop.step(self.states[j], self.pending[i])
+                if self.states[j] == len(stop.text):
+                    out, self.pending, self.reached = self.pending[: i + 1 - len(stop.text)], "", stop.text
+                    return out, True
+        cut = len(self.pending) - max(self.states, default=0)
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out, False
 
@@ -65,6 +86,7 @@ class ToolSplit:
 
     def __init__(self, fmt, opened: str | None = None):
         self.fmt, self.inside, self.pending = fmt, opened is not None, opened or ""
+        self.start = Marker(fmt.start)
 
     def add(self, text: str) -> list[tuple[str, object]]:
         self.pending += text
@@ -73,7 +95,7 @@ class ToolSplit:
             if not self.inside:
                 i = self.pending.find(start)
                 if i < 0:
-                    cut = len(self.pending) - held_back(self.pending, [start])
+                    cut = len(self.pending) - self.start.held_back(self.pending)
                     events.append(("text", self.pending[:cut]))
                     self.pending = self.pending[cut:]
                     break
