@@ -4,6 +4,7 @@ page cannot use or read the server (Host and Origin checked, JSON bodies only), 
 route with malformed and oversized bodies gets no 5xx and leaves the server serving."""
 
 import json
+import random
 import threading
 import time
 
@@ -12,6 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server import KEY, start
+
+from omnidraft_mlx.serve.text import StopText
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON = {**AUTH, "Content-Type": "application/json"}
@@ -73,6 +76,28 @@ def test_long_stop_strings_are_refused_while_a_request_beside_them_completes(ser
     assert at_limit.json()["choices"][0]["message"]["content"] == alone
     assert "--max-stops" in refused(post(server, "/v1/chat/completions", {**OK_CHAT, "stop": ["a"] * 5}), 400)
     assert "--max-stops" in refused(post(server, "/v1/messages", {**OK_CHAT, "stop_sequences": ["a"] * 5}), 400)
+
+
+def test_stop_text_holds_back_exactly_what_may_begin_a_stop_string():
+    """StopText (a character at a time) against the definition, over random pieces: the text is cut
+    where the first stop string ends (of two ending there, the first given), and until then what is
+    held back is the longest end of the text so far that begins a stop string."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 24)))
+        ends = [(i + len(s), j) for j, s in enumerate(stops) if (i := text.find(s)) >= 0]
+        end, first = min(ends) if ends else (len(text), None)
+        reached = None if first is None else stops[first]
+        stop, sent, cuts = StopText(stops), "", sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
+        for a, b in zip([0, *cuts], [*cuts, len(text)]):
+            piece, stopped = stop.add(text[a:b])
+            sent += piece
+            if stopped:
+                break
+            begins = [n for s in stops for n in range(1, len(s)) if text[:b].endswith(s[:n])]
+            assert sent == text[: b - max(begins, default=0)]
+        assert (sent if stopped else sent + stop.flush(), stop.reached) == (text[: end - len(reached or "")], reached)
 
 
 def test_an_oversized_body_is_refused_within_a_second(server):
