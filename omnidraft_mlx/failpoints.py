@@ -6,7 +6,7 @@ Off unless the environment variable OMNIDRAFT_FAILPOINTS names them, comma-separ
 e.g. "verify" (every hit), "finish@3" (the 3rd hit only), "draft#BOOM" (hits for a request
 whose text holds BOOM), "save~3" (sleep 3 s there instead of raising). The places: prefill,
 draft, verify, finish, learn, update (before each slice of a drafter update) (serve/engine.py,
-serve/request.py, learn/online.py), save (inside the profile's lock; its subject "adapter" when the
+serve/jobs.py, learn/online.py), save (inside the profile's lock; its subject "adapter" when the
 save holds a drafter update) and manifest (before the manifest is written) (profile/store.py).
 Off, a failpoint costs a dict lookup.
 """

@@ -16,7 +16,7 @@ from test_server import chat_greedy, idle, start
 from omnidraft_mlx.decode.speculative import SpecConfig
 from omnidraft_mlx.prompts import encode_prompt
 from omnidraft_mlx.serve.admission import AGE_S, Waiting, prompt_left, turn
-from omnidraft_mlx.serve.request import Job
+from omnidraft_mlx.serve.jobs import Job
 from omnidraft_mlx.serve.schema import ApiError
 
 

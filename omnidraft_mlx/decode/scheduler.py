@@ -22,11 +22,15 @@ draft is padded with looked-up tokens to the length that verifies fastest (not
 monotone: widths.py). A scheduler outlives a reply (chat, serve and bench keep
 one), so a new reply starts from what the last ones measured, and serves any
 number of replies at once (serve's concurrent requests share what it measures). The measurements
-behind these choices: bench/results/free-drafts/README.md (design record).
+behind these choices: bench/results/free-drafts/README.md (design record). OMNIDRAFT_SCHEDULE_LOG
+names a file that gets one JSON line per round: the choice, the rates it was made among, the
+probes' waits, the verification's price and its measured seconds.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 
 from omnidraft_mlx.decode.drafts import PLAIN, Context, Draft
@@ -34,6 +38,8 @@ from omnidraft_mlx.decode.fit import VerifyCost
 from omnidraft_mlx.decode.tree import TokenTree
 from omnidraft_mlx.decode.widths import MOST, saved_costs
 from omnidraft_mlx.vocab.align import common_prefix
+
+SCHEDULE_LOG = "OMNIDRAFT_SCHEDULE_LOG"  # a file: each round's choice and why, one JSON line a round
 
 
 @dataclass
@@ -88,6 +94,7 @@ class Round:
     draft: Draft
     rival: float | None  # the best rate among the options not chosen
     looked_up: bool  # the draft is a lookup (scored in shadow, not rated)
+    rates: dict[str, float] = field(default_factory=dict)  # every option's rate when it was chosen
 
 
 class Scheduler:
@@ -111,6 +118,7 @@ class Scheduler:
         self.round = 0  # rounds proposed, all replies together: the clock of rates and probes
         self.measured = False  # the verification cost per draft length seeded from widths.py
         self.branches = Hold()  # kept branches' scores (drafts) against the tokens they held (held)
+        self.log = os.environ.get(SCHEDULE_LOG)  # where each round is written (None: nowhere)
 
     def begin_reply(self, sources: list, guard: bool, ctx: Context, target=None) -> ReplySources:
         """A reply's sources (their prompt processing: prefill); given the target, the first reply
@@ -184,7 +192,7 @@ class Scheduler:
         # Padded within the budget, branched; the cut leaves room for the target's own token.
         draft = self._branch(self._pad(reply, draft, ctx, limit - 1)).cut(limit - 1)
         rival = max((rate for k, rate in everything.items() if k != key), default=None)
-        return Round(draft, rival, looked_up=key in free)
+        return Round(draft, rival, looked_up=key in free, rates=everything)
 
     def _pad(self, reply: ReplySources, draft: Draft, ctx: Context, most: int) -> Draft:
         """The draft padded with looked-up tokens to the length that verifies fastest, where that
@@ -222,6 +230,8 @@ class Scheduler:
         `branch_held` tokens accepted on its branches): the source's own learning, the verification
         cost, how branches hold, the option's rate."""
         draft = proposed.draft
+        if self.log:
+            self._write(proposed, accepted, width, timing)
         draft.settle(accepted, timing)
         self.costs.add(width, timing["verify_s"])
         if draft.kept:
@@ -235,6 +245,27 @@ class Scheduler:
             if not rate.trial:  # the probe is over: judge it
                 lost = proposed.rival is not None and rate.per_s() < proposed.rival
                 rate.wait = min(2 * rate.wait, self.max_wait) if lost else self.probe_every
+
+    def _write(self, proposed: Round, accepted: int, width: int, timing: dict) -> None:
+        """The round as one line of the schedule log: what was chosen among which rates, the measured
+        options' probe state before it settles (a probe under way: trial > 0; the next one after
+        wait rounds), the price the scheduler had for verifying its width, what it made and cost."""
+        draft = proposed.draft
+        row = {
+            "round": self.round,
+            "source": draft.source,
+            "tokens": len(draft.tokens),
+            "padding": draft.padding,
+            "accepted": accepted,
+            "catch_up": draft.catch_up,
+            "rates": proposed.rates,
+            "rival": proposed.rival,
+            "probes": {k: {"wait": r.wait, "trial": r.trial, "since": self.round - r.last} for k, r in self.rates.items()},
+            "priced_s": self.costs.seconds(width),
+            **timing,
+        }
+        with open(self.log, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
     def end_reply(self, reply: ReplySources, ctx: Context) -> None:
         self._score(reply, ctx.committed)

@@ -4,11 +4,11 @@ the API keys it takes, and the name each request goes by),
 replies turns a job's events into JSON or server-sent events (responses and
 messages: the Responses API and Anthropic's Messages API, translated onto the
 chat route's request and back), engine decodes
-the active requests together a round at a time, request is one request's
-decode, text cuts stop strings and splits tool calls, tools speaks the target's
+the active requests together a round at a time (admission: who waits, who is
+refused), jobs is a request's decode, text cuts stop strings and splits tool calls, tools speaks the target's
 tool-call format, logprobs gives the target's log-probabilities (learning from
 replies is learn.online's, as chat's is).
 Nothing imports serve but the CLI.
-May import: decode, learn, profile, vocab, anatomy, chat, errors, failpoints, loading, pair, paths, prompts,
+May import: decode, learn, profile, vocab, anatomy, errors, failpoints, loading, pair, paths, prompts,
 settings, tasks, timing.
 """

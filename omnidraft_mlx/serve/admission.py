@@ -24,7 +24,7 @@ from omnidraft_mlx.serve.keys import SCOPE_NAME
 from omnidraft_mlx.serve.schema import ApiError
 
 if TYPE_CHECKING:
-    from omnidraft_mlx.serve.request import Job
+    from omnidraft_mlx.serve.jobs import Job
 
 AGE_S = 15.0  # a request waiting this long goes before all that came after it
 RETRY_AFTER_S = 1  # what a refused client is told to wait before it tries again

@@ -36,7 +36,7 @@ from omnidraft_mlx.failpoints import failpoint
 from omnidraft_mlx.learn.online import Learning, make_learner
 from omnidraft_mlx.paths import LOCAL, Resolver
 from omnidraft_mlx.serve.admission import Waiting, prompt_left, shutting_down, turn
-from omnidraft_mlx.serve.request import Decoder, Job, Prefill, Running
+from omnidraft_mlx.serve.jobs import Job, Jobs, Prefill, Running
 from omnidraft_mlx.serve.schema import ApiError
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ RELEASE_S = 60.0  # this often, memory freed since goes back to the system (rele
 
 
 class Engine:
-    """The pair's decoder and learning; serves the queued jobs, several at once (run())."""
+    """The pair's jobs and learning; serves the queued jobs, several at once (run())."""
 
     def __init__(self, cfg: ServeConfig, resolver: Resolver = LOCAL):
         self.cfg, self.resolver = cfg, resolver  # resolver: how the models' names find their weights
@@ -66,12 +66,12 @@ class Engine:
         self._round_ended: float | None = None  # when the last round ended, while requests stay active
         self.prefill_rate: float | None = None  # prompt tokens fed per second between rounds (a running mean)
         self.released = time.monotonic()  # when freed memory last went back to the system
-        self.decoder: Decoder | None = None  # set by load()
+        self.jobs: Jobs | None = None  # set by load()
         self.learning: Learning | None = None
 
     @property
     def pair(self):
-        return self.decoder.pair
+        return self.jobs.pair
 
     @property
     def profile(self):
@@ -110,7 +110,7 @@ class Engine:
         learner = make_learner(pair, profile, cfg.adapt_every) if cfg.adapt else None
         prompt_cache = PromptCache(cfg.cache_bytes)
         # The scheduler measures which draft source pays, across requests.
-        self.decoder = Decoder(
+        self.jobs = Jobs(
             cfg,
             pair,
             opened.policy,
@@ -208,7 +208,7 @@ class Engine:
         """A queued job out of the queue, its caches from the prompt cache: its prompt is fed next (_prefill)."""
         self.waiting.remove(job)
         try:
-            self.prefilling.append(self.decoder.begin(job))
+            self.prefilling.append(self.jobs.begin(job))
         except Exception as e:
             self._fail(job, e)
         self._make_room()
@@ -219,7 +219,7 @@ class Engine:
         job, fed = prefill.job, 0
         if job.cancelled.is_set():
             self.prefilling.remove(prefill)
-            self.decoder.prompt_cache.store(*prefill.slots, job.key_name)  # what it fed is a prefix worth keeping
+            self.jobs.prompt_cache.store(*prefill.slots, job.key_name)  # what it fed is a prefix worth keeping
             self.cancelled += 1
             return fed
         try:
@@ -229,7 +229,7 @@ class Engine:
                 prefill.feed(self.pair, most)
             else:
                 self.prefilling.remove(prefill)
-                self.active.append(self.decoder.start(job, self.decoder.scheduler, prefill))
+                self.active.append(self.jobs.start(job, self.jobs.scheduler, prefill))
         except Exception as e:  # its caches are not kept
             if prefill in self.prefilling:
                 self.prefilling.remove(prefill)
@@ -240,7 +240,7 @@ class Engine:
     def _make_room(self) -> None:
         """The prompt cache keeps what the active (and prefilling) requests' caches leave of the budget."""
         held = sum(r.nbytes for r in self.active) + sum(p.nbytes() for p in self.prefilling)
-        self.decoder.prompt_cache.make_room(self.cfg.cache_bytes - held)
+        self.jobs.prompt_cache.make_room(self.cfg.cache_bytes - held)
 
     def _round(self) -> None:
         """One round of every active job (round_together: plan the drafts, verify them in one target
@@ -261,7 +261,7 @@ class Engine:
                 self._drop(running, outcome)
                 continue
             try:
-                if running.add(outcome[0], self.decoder.token_bytes):
+                if running.add(outcome[0], self.jobs.token_bytes):
                     over.append(running)
             except Exception as e:
                 self._drop(running, e)
@@ -278,7 +278,7 @@ class Engine:
         its reply to learning. A failure here fails this job only."""
         self.active.remove(running)
         try:
-            result, ids = self.decoder.finish(running)
+            result, ids = self.jobs.finish(running)
         except Exception as e:  # its caches are not kept
             self._fail(running.job, e)
             return
@@ -297,7 +297,7 @@ class Engine:
         """A job whose round failed: out of the batch, its caches not kept, its client told."""
         self.active.remove(running)
         try:
-            self.decoder.finish(running, intact=False)
+            self.jobs.finish(running, intact=False)
         except Exception:
             log.error("closing a failed request's decoding failed:\n%s", traceback.format_exc())
         self._fail(running.job, error)

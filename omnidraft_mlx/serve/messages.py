@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from omnidraft_mlx.serve.config import Limits
+from omnidraft_mlx.serve.jobs import Result
 from omnidraft_mlx.serve.keys import key_name
 from omnidraft_mlx.serve.replies import gather, gone, reply_events, sse, submit
-from omnidraft_mlx.serve.request import Result
 from omnidraft_mlx.serve.schema import ApiError, ChatRequest, chat_messages, check_stops, parse, validate
 
 ERROR_TYPES = {
@@ -311,7 +311,5 @@ def add_routes(app: FastAPI, engine) -> None:
     async def tokens(request: Request):
         # Encoded as it would be decoded, not queued.
         chat = chat_request(await parse(request, MessagesRequest, limits), limits)
-        job = await run_in_threadpool(
-            engine.decoder.prepare, chat_messages(chat), False, chat, asyncio.get_running_loop()
-        )
+        job = await run_in_threadpool(engine.jobs.prepare, chat_messages(chat), False, chat, asyncio.get_running_loop())
         return {"input_tokens": len(job.target_ids)}

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from omnidraft_mlx.serve.request import Job, Result
+from omnidraft_mlx.serve.jobs import Job, Result
 from omnidraft_mlx.serve.schema import ApiError, Sampling
 
 WAITING_S = 5.0  # a queued streaming request gets an SSE comment this often (and notices a disconnect)
@@ -66,7 +66,7 @@ async def submit(engine, req: Sampling, messages: list[dict], raw: bool, key_nam
             "model",
             "model_not_found",
         )
-    job = await run_in_threadpool(engine.decoder.prepare, messages, raw, req, asyncio.get_running_loop(), key_name)
+    job = await run_in_threadpool(engine.jobs.prepare, messages, raw, req, asyncio.get_running_loop(), key_name)
     engine.submit(job)
     return job
 

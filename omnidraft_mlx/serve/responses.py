@@ -23,9 +23,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnidraft_mlx.serve.config import Limits
+from omnidraft_mlx.serve.jobs import Result
 from omnidraft_mlx.serve.keys import key_name
 from omnidraft_mlx.serve.replies import gather, gone, message, reply_events, sse, submit
-from omnidraft_mlx.serve.request import Result
 from omnidraft_mlx.serve.schema import ApiError, ChatRequest, chat_messages, parse, validate
 
 STORED = 256  # responses kept for previous_response_id, per API key

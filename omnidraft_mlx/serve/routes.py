@@ -196,7 +196,7 @@ def make_app(engine, keys: Keys | None = None) -> FastAPI:
             "longest_round_pause_s": round(engine.longest_round_pause_s, 3),
             "longest_learning_wait_s": round(engine.longest_learning_wait_s, 3),
             "ngrams": len(engine.pair.ngrams),
-            "prompt_cache_bytes": engine.decoder.prompt_cache.nbytes,
+            "prompt_cache_bytes": engine.jobs.prompt_cache.nbytes,
         }
 
     @app.api_route("/", methods=["GET", "HEAD"])

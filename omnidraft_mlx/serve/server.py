@@ -10,12 +10,12 @@ saved. The parts, each its own module in serve/:
   replies.py     a job's events as one JSON reply or server-sent events
   engine.py      the queue and the active requests, decoded together a round at a time
   admission.py   who may wait (queue, per-client share: 429; shutting down: 503), in what order
-  request.py     one request: prompts encoded, its decoding on the prompt cache, its events
+  jobs.py        a request's decode: prompts encoded, its decoding on the prompt cache, its events
   text.py        the reply's text cut at stop strings, split into content and tool calls
   tools.py       tools to the chat template, tool_choice, the target's tool-call parser
   logprobs.py    the target's log-probabilities of the tokens it emitted
-  learning.py    learning from the replies and saving it into the profile
-and decode/batch.py: one target forward over the active requests' drafts.
+and decode/batch.py: one target forward over the active requests' drafts; learn/online.py:
+learning from the replies and saving it into the profile (as chat does).
 Prompt caches are kept between requests (decode.promptcache.PromptCache), so a resent
 system prompt or conversation is not prefilled again.
 """

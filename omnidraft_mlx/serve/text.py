@@ -3,9 +3,9 @@
 Text arrives a round at a time, and a stop string or a tool call's opening
 marker may straddle two rounds, so whatever could begin one is held back until
 the next round settles it. A tool call's text is held whole until its closing
-marker (or the reply's end), then parsed (serve_tools.parse_calls); text that
+marker (or the reply's end), then parsed (tools.parse_calls); text that
 does not parse goes out as content, markers and all. With tool_choice "auto", a
-reply that may still be nothing but JSON calls (serve_tools.json_calls) is held
+reply that may still be nothing but JSON calls (tools.json_calls) is held
 whole, and so is a ``` block after text: as calls at the reply's end, or let go
 as soon as it cannot be one.
 """
@@ -80,7 +80,7 @@ class PlainText:
 class ToolSplit:
     """Streamed text -> events ("text", str) and ("tool_calls", [call, ...]), in order.
 
-    `fmt` is the target's tool-call format (serve_tools.ToolFormat); `opened`: the
+    `fmt` is the target's tool-call format (tools.ToolFormat); `opened`: the
     reply starts inside a call, whose start marker and this text were put in the prompt.
     """
 
@@ -124,7 +124,7 @@ class ToolSplit:
 
 
 class JsonCalls:
-    """A reply that ends in JSON calls of the offered `tools` (serve_tools.json_calls): the whole
+    """A reply that ends in JSON calls of the offered `tools` (tools.json_calls): the whole
     reply, or a ``` block on lines of its own after text -> the text, then one ("tool_calls",
     [call, ...]) event at the reply's end. Text goes on through `then`, another splitter, as soon as
     it shows that it cannot be part of such an ending."""
@@ -160,14 +160,14 @@ def line_breaks(text: str):
 
 
 def splitter(tools):
-    """The splitter of a reply to a request with this serve_tools.ToolPlan."""
+    """The splitter of a reply to a request with this tools.ToolPlan."""
     split = ToolSplit(tools.fmt, tools.opened) if tools.fmt else PlainText()
     return JsonCalls(tools.tools, split) if tools.bare else split
 
 
 class ReplyText:
     """A reply's target ids -> its events: text (from the tokens' bytes), cut at the stop strings,
-    split into content and tool calls when the request offers tools (serve_tools.ToolPlan)."""
+    split into content and tool calls when the request offers tools (tools.ToolPlan)."""
 
     def __init__(self, target_bytes: list[bytes | None], stops: list[str], tools, emit):
         self.text, self.stop, self.emit, self.called = TextStream(target_bytes), StopText(stops), emit, False

@@ -1,6 +1,7 @@
-"""One request's decode for `omnidraft serve`: its prompts encoded, its decoding started on
-the prompt cache (a Running job: the engine verifies its rounds beside other requests'), and
-its text streamed back to the request as events.
+"""Jobs: a request's decode for `omnidraft serve`, from the HTTP thread to the engine's: its
+prompts encoded (Jobs.prepare, a Job), fed into caches from the prompt cache (a Prefill), its
+decoding under way (a Running job: the engine verifies its rounds beside other requests'), its
+text streamed back to the request as events, its caches given back (Jobs.finish, a Result).
 
 A Job carries a request from the HTTP thread to the engine's thread; the decode
 emits events as rounds finish: ("text", piece) cut at the request's stop
@@ -82,8 +83,9 @@ class Result:
 
 
 @dataclass
-class Decoder:
-    """The pair and what decoding keeps between requests: prompt cache, policy, history, scheduler."""
+class Jobs:
+    """What turns requests into jobs and jobs into decodings: the pair and what decoding keeps
+    between requests (prompt cache, policy, history, scheduler)."""
 
     cfg: ServeConfig
     pair: Pair
@@ -163,7 +165,7 @@ class Decoder:
         """Give the running job's caches back to the prompt cache; (its result, the reply's target ids)."""
         failpoint("finish", running.job.label)
         self.prompt_cache.finish(running.decoding, intact, running.job.key_name)
-        finish = running.finish or "cancelled"
+        finish = running.finish_reason or "cancelled"
         stats, ids = running.stats, running.ids
         result = Result(
             finish,
@@ -229,7 +231,7 @@ class Running:
     rows: list  # the target's logits of the last round, for log-probabilities
     ids: list[int] = field(default_factory=list)
     ttft: float | None = None
-    finish: str | None = None  # set when the reply is over
+    finish_reason: str | None = None  # set when the reply is over
 
     @property
     def nbytes(self) -> int:
@@ -245,12 +247,12 @@ class Running:
         if self.rows and (logprobs := token_logprobs(self.rows.pop(), new, job.logprobs, token_bytes)):
             job.emit("logprobs", logprobs)
         if self.reply.add(new):
-            self.finish = "stop"
+            self.finish_reason = "stop"
         elif job.cancelled.is_set():
-            self.finish = "cancelled"
+            self.finish_reason = "cancelled"
         elif self.decoding.done:
-            self.finish = "length" if len(self.ids) >= job.spec.max_tokens else "stop"
+            self.finish_reason = "length" if len(self.ids) >= job.spec.max_tokens else "stop"
             self.reply.finish()
-        if self.finish == "stop" and self.reply.called:
-            self.finish = "tool_calls"
-        return self.finish is not None
+        if self.finish_reason == "stop" and self.reply.called:
+            self.finish_reason = "tool_calls"
+        return self.finish_reason is not None
