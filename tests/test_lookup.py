@@ -319,3 +319,30 @@ def test_lookups_are_judged_by_how_they_held_whether_verified_or_not(right):
     if right == 4:  # 5 tokens in 1.4 s
         assert late.count("context") >= 0.9 * len(late)
     assert drafter.guesses and all(len(guess) == 4 for guess in drafter.guesses)  # the lookup's draft
+
+
+def test_the_schedule_log_writes_each_round_and_the_rates_it_was_chosen_among(tmp_path, monkeypatch):
+    """OMNIDRAFT_SCHEDULE_LOG: a line a round. A drafter making 3 tokens in 1.5 s (2/s) against
+    plain's 1 in 1 s: the drafter is probed first (nothing measured), then plain, which loses to
+    the drafter's 2/s and waits 32 rounds, loses again and waits 64."""
+    monkeypatch.setenv("OMNIDRAFT_SCHEDULE_LOG", str(tmp_path / "rounds.jsonl"))
+    scheduler, ctx = Scheduler(), Context([0])
+    reply = scheduler.begin_reply([Steady(list(range(100)))], True, ctx)
+    chosen = []
+    for _ in range(40):
+        proposed = scheduler.propose(reply, ctx, 8)
+        tokens, seconds = (3, 1.5) if proposed.draft.source == "drafter" else (1, 1.0)
+        timing = dict(tokens=tokens, draft_s=0.0, verify_s=seconds, round_s=seconds)
+        scheduler.settle(proposed, tokens - 1, timing, len(proposed.draft.tokens), 0)
+        chosen.append(proposed.draft.source)
+    rounds = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    assert [r["source"] for r in rounds] == chosen and [r["round"] for r in rounds] == list(range(1, 41))
+    assert rounds[0]["rates"] == {} and rounds[0]["priced_s"] is None and rounds[0]["tokens"] == 3
+    plain = [i for i, source in enumerate(chosen) if source == "plain"]
+    assert plain == [4, 36]  # the probes: after the drafter's four, then 32 rounds after the first
+    assert rounds[4]["rates"] == {"drafter": pytest.approx(2.0)} and rounds[4]["probes"]["plain"]["trial"] == 1
+    assert rounds[5]["rates"] == {"drafter": pytest.approx(2.0), "plain": pytest.approx(1.0)}
+    assert rounds[5]["rival"] == pytest.approx(1.0) and rounds[5]["priced_s"] == pytest.approx(1.5)
+    assert rounds[5]["probes"]["plain"]["wait"] == 32 and rounds[37]["probes"]["plain"]["wait"] == 64
+    monkeypatch.delenv("OMNIDRAFT_SCHEDULE_LOG")
+    assert Scheduler().log is None

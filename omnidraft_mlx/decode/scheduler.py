@@ -260,7 +260,9 @@ class Scheduler:
             "catch_up": draft.catch_up,
             "rates": proposed.rates,
             "rival": proposed.rival,
-            "probes": {k: {"wait": r.wait, "trial": r.trial, "since": self.round - r.last} for k, r in self.rates.items()},
+            "probes": {
+                k: {"wait": r.wait, "trial": r.trial, "since": self.round - r.last} for k, r in self.rates.items()
+            },
             "priced_s": self.costs.seconds(width),
             **timing,
         }
