@@ -92,24 +92,13 @@ def chat(
     no_profile: bool = options.NO_PROFILE,
 ) -> None:
     """Chat with TARGET, DRAFT speculating; the pair learns from the conversation."""
+    flags = dict(locals())  # the flags as given, before the body adds names
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.chat import ChatConfig
     from omnidraft_mlx.cli.main import err_console
 
     # The settings check themselves (one-line errors), before any model loads.
-    spec = options.decoding(
-        k=k,
-        temp=temp,
-        top_p=top_p,
-        max_tokens=max_tokens,
-        seed=seed,
-        translation=translation,
-        sampling=sampling,
-        lookup_len=lookup_len,
-        source=source,
-        no_guard=no_guard,
-        tree=tree,
-    )
+    spec = options.decoding(flags)
     cfg = ChatConfig(spec=spec, context=context, adapt=adapt, adapt_every=adapt_every)
     policy_cfg = options.draft_length(policy, gamma, k, max_k)
     warn_if_slow_blas(err_console)

@@ -73,6 +73,7 @@ def generate(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the generated text."),
 ) -> None:
     """Generate text from PROMPT, speculatively with a drafter unless --model is given."""
+    flags = dict(locals())  # the flags as given, before the body adds names
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
     from omnidraft_mlx.prompts import user_messages
@@ -80,19 +81,7 @@ def generate(
     if prompt == "-":
         prompt = sys.stdin.read()
     # The settings check themselves (one-line errors), before any model loads; plain decoding too.
-    cfg = options.decoding(
-        k=k,
-        temp=temp,
-        top_p=top_p,
-        max_tokens=max_tokens,
-        seed=seed,
-        translation=translation,
-        sampling=sampling,
-        lookup_len=lookup_len,
-        source=source,
-        no_guard=no_guard,
-        tree=tree,
-    )
+    cfg = options.decoding(flags)
     policy_cfg = options.draft_length(policy, gamma, k, max_k)
     if not quiet:
         warn_if_slow_blas(err_console)

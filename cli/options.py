@@ -55,33 +55,21 @@ SYSTEM = typer.Option(None, "--system", help="System prompt.")
 SHOW_DRAFT = typer.Option(False, "--show-draft", help="Colour the tokens that came from the drafter.")
 
 
-def decoding(
-    *,
-    k: int,
-    temp: float,
-    top_p: float,
-    max_tokens: int,
-    seed: int,
-    translation: str,
-    sampling: str,
-    lookup_len: int,
-    source: str,
-    no_guard: bool,
-    tree: bool,
-) -> SpecConfig:
-    """The decoding flags as settings, checked (a one-line error naming the flag): the same for every verb."""
+def decoding(flags: dict) -> SpecConfig:
+    """A command's decoding flags (its parameters, as locals() gives them at its start: every verb
+    names them alike) as settings, checked (a one-line error naming the flag): the same for every verb."""
     return SpecConfig(
-        k=k,
-        temp=temp,
-        top_p=top_p,
-        max_tokens=max_tokens,
-        seed=seed,
-        translation=translation,
-        sampling=sampling,
-        lookup_len=lookup_len,
-        sources=source,
-        guard=not no_guard,
-        tree=tree,
+        k=flags["k"],
+        temp=flags["temp"],
+        top_p=flags["top_p"],
+        max_tokens=flags["max_tokens"],
+        seed=flags["seed"],
+        translation=flags["translation"],
+        sampling=flags["sampling"],
+        lookup_len=flags["lookup_len"],
+        sources=flags["source"],
+        guard=not flags["no_guard"],
+        tree=flags["tree"],
     )
 
 

@@ -104,6 +104,7 @@ def serve(
 ) -> None:
     """Serve TARGET (the model name clients ask for), DRAFT speculating, over the OpenAI HTTP API
     (/v1/chat/completions, /v1/completions)."""
+    flags = dict(locals())  # the flags as given, before the body adds names
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
     from omnidraft_mlx.models.pull import CATALOG_RESOLVER
@@ -115,19 +116,7 @@ def serve(
     check_range("--port", port, 1, 65535)
     if api_key is None and os.environ.get("OMNIDRAFT_API_KEY") == "":  # click takes it for unset
         api_key = ""  # an error (ServeConfig), not a server without a key
-    spec = options.decoding(
-        k=k,
-        temp=temp,
-        top_p=top_p,
-        max_tokens=max_tokens,
-        seed=seed,
-        translation=translation,
-        sampling=sampling,
-        lookup_len=lookup_len,
-        source=source,
-        no_guard=no_guard,
-        tree=tree,
-    )
+    spec = options.decoding(flags)
     cfg = ServeConfig(
         draft=draft,
         target=target,
