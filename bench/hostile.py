@@ -268,11 +268,11 @@ def idle(server: ServerProcess, timeout: float = 300) -> dict:
 
 def checks(result: dict) -> dict[str, bool]:
     alone, found = result["alone"], result["probes"]
-    out = {"the normal request answered alone": alone["median_s"] is not None}
+    out = {}
     for name, p in found.items():
         normal = p["normal"]
         out[f"{name}: the normal request beside it answered, its reply as alone"] = normal["reply"] == alone["reply"]
-        out[f"{name}: the normal request beside it <= {BAR}x its time alone"] = (p["ratio"] or BAR + 1) <= BAR
+        out[f"{name}: the normal request beside it <= {BAR}x its time alone"] = p["ratio"] <= BAR
         if name in EXPECTED:
             out[f"{name}: refused {EXPECTED[name]} every time"] = p["probe"].get("statuses") == {
                 str(EXPECTED[name]): p["probe"]["sent"]
@@ -293,6 +293,24 @@ def checks(result: dict) -> dict[str, bool]:
     out["no request failed in the server"] = result["health"]["failed"] == 0
     out["SIGTERM: exit 0"] = result["exit_status"] == 0
     return out
+
+
+def cells(name: str, probe: dict) -> tuple[str, str, str]:
+    """A probe's row in the README's table: what was sent, what came back, how long it took."""
+    if "error" in probe:
+        return "-", probe["error"], "-"
+    if name == "hang-up":
+        stopped = f"{probe['stopped_s']:.2f} s" if probe["stopped_s"] is not None else "not"
+        return "1", f"{probe['status']}, {probe['cancelled']} cancelled", f"stopped {stopped} after the hang-up"
+    if name == "second-key":
+        return "3", f"cached tokens: wrong guess {probe['cached_wrong']}, right {probe['cached_right']}", "-"
+    statuses = ", ".join(f"{status} x{n}" for status, n in probe["statuses"].items())
+    if name == "flood":
+        answered, refused = probe["answered_max_s"], probe["refused_max_s"]
+        seconds = f"refused within {refused:.2f} s" if refused is not None else "none refused"
+        seconds += f", answered within {answered:.2f} s" if answered is not None else ""
+        return str(probe["sent"]), statuses, seconds
+    return str(probe["sent"]), statuses, f"median {probe['median_s']:.2f}, max {probe['max_s']:.2f}"
 
 
 def readme(result: dict) -> str:
@@ -316,23 +334,9 @@ def readme(result: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, p in result["probes"].items():
-        probe, normal = p["probe"], p["normal"]
-        if name == "hang-up":
-            sent, statuses = 1, f"{probe['status']}, cancelled {probe['cancelled']}"
-            seconds = "stopped after " + (f"{probe['stopped_s']:.2f} s" if probe["stopped_s"] is not None else "-")
-        elif name == "second-key":
-            sent, statuses = (
-                3,
-                f"cached tokens: wrong guess {probe.get('cached_wrong')}, right {probe.get('cached_right')}",
-            )
-            seconds = "-"
-        else:
-            sent = probe.get("sent", 0)
-            statuses = ", ".join(f"{s} x{n}" for s, n in probe.get("statuses", {}).items()) or probe.get("error", "")
-            worst = probe.get("max_s", probe.get("refused_max_s"))
-            seconds = f"max {worst:.2f}" if worst is not None else "-"
+        normal = p["normal"]
         beside = f"{normal['seconds']:.2f} s" + (f" ({normal['statuses']})" if normal["statuses"] != [200] else "")
-        lines.append(f"| {name} | {sent} | {statuses} | {seconds} | {beside} | {p['ratio']:.2f}x |")
+        lines.append(f"| {name} | {' | '.join(cells(name, p['probe']))} | {beside} | {p['ratio']:.2f}x |")
     lines += ["", "Checks:", ""]
     lines += [f"- {'ok' if ok else 'FAIL'}: {name}" for name, ok in result["checks"].items()]
     return "\n".join(lines) + "\n"
@@ -369,10 +373,11 @@ def main(argv=None) -> None:
     try:
         ask(url, model, args.max_tokens)  # the first request's costs are nobody's
         runs = [ask(url, model, args.max_tokens) for _ in range(args.alone)]
-        answered = [r["seconds"] for r in runs if r["reply"] is not None]
+        if failed := [r["error"] for r in runs if r["reply"] is None]:
+            raise SystemExit(f"the normal request failed alone ({failed[0]}): see {server.log}")
         alone = {
             "seconds": [r["seconds"] for r in runs],
-            "median_s": statistics.median(answered) if answered else None,
+            "median_s": statistics.median([r["seconds"] for r in runs]),
             "reply": runs[0]["reply"],
         }
         result["secret"] = secret(url, model)  # in alice's cache before mallory's guesses
@@ -386,7 +391,7 @@ def main(argv=None) -> None:
             )
         found["hang-up"] = {"probe": hang_up(server, model, args), "normal": ask(url, model, args.max_tokens)}
         for p in found.values():
-            p["ratio"] = p["normal"]["seconds"] / alone["median_s"] if alone["median_s"] else None
+            p["ratio"] = p["normal"]["seconds"] / alone["median_s"]
         result["health"] = server.health()
     finally:
         result["exit_status"] = server.stop()
@@ -405,7 +410,7 @@ def main(argv=None) -> None:
     result["checks"] = checks(result)
     atomic_write_text(args.out / "hostile.json", json.dumps(result, indent=1))
     atomic_write_text(args.out / "README.md", readme(result))
-    worst = max(found, key=lambda name: found[name]["ratio"] or 0)
+    worst = max(found, key=lambda name: found[name]["ratio"])
     print_checks(
         result["checks"],
         f"normal request alone {alone['median_s']:.2f}s (median); beside the probes at most "
