@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -20,22 +21,22 @@ from omnidraft_mlx.serve.jobs import Job
 from omnidraft_mlx.serve.schema import ApiError
 
 
-def job(tokens: int, arrived: float) -> Job:
-    return Job(list(range(tokens)), list(range(tokens)), SpecConfig(), [], None, None, arrived=arrived)
+def job(tokens: int, arrived: float, client: str = "address 127.0.0.1") -> Job:
+    return Job(list(range(tokens)), list(range(tokens)), SpecConfig(), [], None, None, arrived=arrived, client=client)
 
 
 def test_fewest_prompt_tokens_go_first_and_a_long_wait_goes_before_later_arrivals():
     now = 1000.0
     long, short = job(1500, now - 1), job(20, now - 0.5)
-    assert turn(short, prompt_left(short), now) < turn(long, prompt_left(long), now)  # short first
+    assert turn(short, prompt_left(short), now, 0) < turn(long, prompt_left(long), now, 0)  # short first
     aged = job(1500, now - AGE_S)
     later = job(20, now - AGE_S + 0.1)
-    assert turn(aged, prompt_left(aged), now) < turn(later, prompt_left(later), now)  # not starved
+    assert turn(aged, prompt_left(aged), now, 5) < turn(later, prompt_left(later), now, 0)  # not starved
 
     waiting = Waiting(most=2)
     waiting.put(long)
     waiting.put(short)
-    assert waiting.first(now) is short
+    assert waiting.first(now, Counter()) is short
     with pytest.raises(ApiError) as full:
         waiting.put(job(5, now))
     assert full.value.status == 429 and "--max-queue" in full.value.message
@@ -44,6 +45,18 @@ def test_fewest_prompt_tokens_go_first_and_a_long_wait_goes_before_later_arrival
     with pytest.raises(ApiError) as closed:
         waiting.put(job(5, now))
     assert closed.value.status == 503
+
+
+def test_a_client_with_fewer_requests_admitted_goes_first():
+    """A flood's requests wait behind another client's, however short they are: turn() counts
+    what each client has admitted already, before the prompts' lengths."""
+    now, waiting = 1000.0, Waiting(most=8)
+    flood = [job(5, now - 2 + i / 10, "key mallory") for i in range(4)]
+    alice = job(200, now - 0.1, "key alice")
+    for j in [*flood, alice]:
+        waiting.put(j)
+    assert waiting.first(now, Counter({"key mallory": 4})) is alice
+    assert waiting.first(now, Counter()) is flood[0]  # nobody admitted: the shortest first
 
 
 def auth(key: str) -> dict:

@@ -7,10 +7,11 @@ not starve the others); 503 once the server is shutting down. --max-connections 
 limit_concurrency, server.py) bounds the open connections, so a flood of them cannot use up the
 process's open files.
 
-The engine admits waiting requests, and feeds the prompts it has begun, in turn() order: the
-fewest prompt tokens left to feed first, so a short prompt does not wait behind other clients'
-long prefills; a request that has waited AGE_S goes before every request that came after it, so
-a long prompt is never starved.
+The engine admits waiting requests, and feeds the prompts it has begun, in turn() order: those of
+the clients with the fewest requests admitted first (one client's flood does not crowd out the
+others' turns), then the fewest prompt tokens left to feed (a short prompt does not wait behind
+other clients' long prefills); a request that has waited AGE_S goes before every request that came
+after it, so a long prompt is never starved.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ def shutting_down() -> ApiError:
     return ApiError(503, "the server is shutting down", kind="server_error", headers={"Retry-After": "5"})
 
 
-def turn(job: Job, left: int, now: float) -> tuple:
+def turn(job: Job, left: int, now: float, held: int) -> tuple:
     """A request's place in line for prefill, smallest first: once it has waited AGE_S, by arrival,
-    before every other; else by `left`, the prompt tokens it has left to feed, then by arrival."""
-    return (0, job.arrived, 0) if now - job.arrived >= AGE_S else (1, left, job.arrived)
+    before every other; else by `held`, the requests its client has admitted already (one client's
+    flood does not crowd out the others' turns), then by `left`, the prompt tokens it has left to
+    feed, then by arrival."""
+    return (0, job.arrived, 0, 0) if now - job.arrived >= AGE_S else (1, held, left, job.arrived)
 
 
 def prompt_left(job: Job) -> int:
@@ -81,10 +84,10 @@ class Waiting:
         with self.changed:
             return self.changed.wait_for(lambda: self.jobs, timeout)
 
-    def first(self, now: float) -> Job | None:
-        """The request whose turn() comes first."""
+    def first(self, now: float, held: Counter[str]) -> Job | None:
+        """The request whose turn() comes first (`held`: the requests each client has admitted)."""
         with self.changed:
-            return min(self.jobs, key=lambda job: turn(job, prompt_left(job), now), default=None)
+            return min(self.jobs, key=lambda job: turn(job, prompt_left(job), now, held[job.client]), default=None)
 
     def remove(self, job: Job) -> None:
         with self.changed:

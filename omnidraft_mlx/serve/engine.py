@@ -24,6 +24,7 @@ import ctypes
 import logging
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -198,10 +199,11 @@ class Engine:
         """The prompt to feed next, first in turn (admission.turn): one being fed, or the queue's
         first if there is room for it (--batch, --cache-bytes)."""
         now = time.monotonic()
-        options = [(turn(p.job, p.left, now), p) for p in self.prefilling]
+        held = Counter(r.job.client for r in self.active) + Counter(p.job.client for p in self.prefilling)
+        options = [(turn(p.job, p.left, now, held[p.job.client] - 1), p) for p in self.prefilling]
         room = len(self.active) + len(self.prefilling) < self.cfg.batch
-        if room and (job := self.waiting.first(now)) is not None and self._fits(job):
-            options.append((turn(job, prompt_left(job), now), job))
+        if room and (job := self.waiting.first(now, held)) is not None and self._fits(job):
+            options.append((turn(job, prompt_left(job), now, held[job.client]), job))
         return min(options, key=lambda option: option[0])[1] if options else None
 
     def _admit(self, job: Job) -> None:

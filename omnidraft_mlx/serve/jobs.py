@@ -56,6 +56,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     label: str = ""  # the request's messages, for a failpoint aimed at it (set only while one is armed)
     key_name: str = ""  # its API key's: its prompt-cache namespace; whether the pair learns from it
+    client: str = ""  # whose it is (admission.client_of): its place in line counts what its client has under way
     # Its time to first token counts from here, as its client's does: waits in the queue (for a
     # drafter update's slice, for its turn to prefill) included.
     arrived: float = field(default_factory=time.monotonic)

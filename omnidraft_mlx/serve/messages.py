@@ -25,7 +25,6 @@ from starlette.concurrency import run_in_threadpool
 
 from omnidraft_mlx.serve.config import Limits
 from omnidraft_mlx.serve.jobs import Result
-from omnidraft_mlx.serve.keys import key_name
 from omnidraft_mlx.serve.replies import gather, gone, reply_events, sse, submit
 from omnidraft_mlx.serve.schema import ApiError, ChatRequest, chat_messages, check_stops, parse, validate
 
@@ -294,7 +293,7 @@ def add_routes(app: FastAPI, engine) -> None:
     @app.post("/v1/messages")
     async def create(request: Request):
         chat = chat_request(await parse(request, MessagesRequest, limits), limits)
-        job = await submit(engine, chat, chat_messages(chat), raw=False, key_name=key_name(request))
+        job = await submit(engine, chat, chat_messages(chat), raw=False, request=request)
         reply = Reply(engine.cfg.target, len(job.target_ids))
         if chat.stream:
             return StreamingResponse(streamed(job, reply), media_type="text/event-stream")

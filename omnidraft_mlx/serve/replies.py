@@ -18,7 +18,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from omnidraft_mlx.serve.admission import client_of
 from omnidraft_mlx.serve.jobs import Job, Result
+from omnidraft_mlx.serve.keys import key_name
 from omnidraft_mlx.serve.schema import ApiError, Sampling
 
 WAITING_S = 5.0  # a queued streaming request gets an SSE comment this often (and notices a disconnect)
@@ -55,9 +57,9 @@ def message(text: str, calls: list[dict]) -> dict:
     return {"role": "assistant", "content": text if text.strip() else None, "tool_calls": calls}
 
 
-async def submit(engine, req: Sampling, messages: list[dict], raw: bool, key_name: str = "") -> Job:
+async def submit(engine, req: Sampling, messages: list[dict], raw: bool, request: Request) -> Job:
     """The one way into the engine, whatever the API: the model checked, the request encoded (in a
-    worker thread) and its job queued, under the name of the API key it came with."""
+    worker thread) and its job queued, under the name of the API key it came with and its client's."""
     target = engine.cfg.target
     if req.model is not None and req.model != target:
         raise ApiError(
@@ -66,7 +68,9 @@ async def submit(engine, req: Sampling, messages: list[dict], raw: bool, key_nam
             "model",
             "model_not_found",
         )
-    job = await run_in_threadpool(engine.jobs.prepare, messages, raw, req, asyncio.get_running_loop(), key_name)
+    loop, name = asyncio.get_running_loop(), key_name(request)
+    job = await run_in_threadpool(engine.jobs.prepare, messages, raw, req, loop, name)
+    job.client = client_of(request.scope)
     engine.submit(job)
     return job
 

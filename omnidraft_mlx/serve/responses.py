@@ -374,7 +374,7 @@ def add_routes(app: FastAPI, engine) -> None:
             req.input
         )
         chat = chat_request(req, conversation, engine.cfg.limits)
-        job = await submit(engine, chat, chat_messages(chat), raw=False, key_name=key)
+        job = await submit(engine, chat, chat_messages(chat), raw=False, request=request)
 
         def keep(reply: Reply) -> None:
             if req.store:

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.serve import messages, responses
 from omnidraft_mlx.serve.admission import ClientShare
-from omnidraft_mlx.serve.keys import SCOPE_NAME, Keys, key_name
+from omnidraft_mlx.serve.keys import SCOPE_NAME, Keys
 from omnidraft_mlx.serve.replies import complete, error_response, stream, submit
 from omnidraft_mlx.serve.schema import (
     ApiError,
@@ -154,7 +154,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
 async def respond(engine, request: Request, req: Sampling, messages: list[dict], raw: bool, chat: bool):
     """Queue the request's job; its reply, streamed or whole."""
-    job = await submit(engine, req, messages, raw, key_name(request))
+    job = await submit(engine, req, messages, raw, request)
     head = {
         "id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
         "created": int(time.time()),
