@@ -47,16 +47,16 @@ def test_fewest_prompt_tokens_go_first_and_a_long_wait_goes_before_later_arrival
     assert closed.value.status == 503
 
 
-def test_a_client_with_fewer_requests_admitted_goes_first():
+def test_a_client_with_fewer_requests_decoding_goes_first():
     """A flood's requests wait behind another client's, however short they are: turn() counts
-    what each client has admitted already, before the prompts' lengths."""
+    what each client has decoding already, before the prompts' lengths."""
     now, waiting = 1000.0, Waiting(most=8)
     flood = [job(5, now - 2 + i / 10, "key mallory") for i in range(4)]
     alice = job(200, now - 0.1, "key alice")
     for j in [*flood, alice]:
         waiting.put(j)
     assert waiting.first(now, Counter({"key mallory": 4})) is alice
-    assert waiting.first(now, Counter()) is flood[0]  # nobody admitted: the shortest first
+    assert waiting.first(now, Counter()) is flood[0]  # nothing decoding: the shortest first
 
 
 def auth(key: str) -> dict:

@@ -8,7 +8,7 @@ limit_concurrency, server.py) bounds the open connections, so a flood of them ca
 process's open files.
 
 The engine admits waiting requests, and feeds the prompts it has begun, in turn() order: those of
-the clients with the fewest requests admitted first (one client's flood does not crowd out the
+the clients with the fewest requests decoding first (one client's flood does not crowd out the
 others' turns), then the fewest prompt tokens left to feed (a short prompt does not wait behind
 other clients' long prefills); a request that has waited AGE_S goes before every request that came
 after it, so a long prompt is never starved.
@@ -44,8 +44,9 @@ def shutting_down() -> ApiError:
 
 def turn(job: Job, left: int, now: float, held: int) -> tuple:
     """A request's place in line for prefill, smallest first: once it has waited AGE_S, by arrival,
-    before every other; else by `held`, the requests its client has admitted already (one client's
-    flood does not crowd out the others' turns), then by `left`, the prompt tokens it has left to
+    before every other; else by `held`, the requests its client has decoding already (one client's
+    flood does not crowd out the others' turns; its prompts being fed do not count, so one client's
+    short prompt still goes before its own long one), then by `left`, the prompt tokens it has left to
     feed, then by arrival."""
     return (0, job.arrived, 0, 0) if now - job.arrived >= AGE_S else (1, held, left, job.arrived)
 
@@ -85,7 +86,7 @@ class Waiting:
             return self.changed.wait_for(lambda: self.jobs, timeout)
 
     def first(self, now: float, held: Counter[str]) -> Job | None:
-        """The request whose turn() comes first (`held`: the requests each client has admitted)."""
+        """The request whose turn() comes first (`held`: the requests each client has decoding)."""
         with self.changed:
             return min(self.jobs, key=lambda job: turn(job, prompt_left(job), now, held[job.client]), default=None)
 

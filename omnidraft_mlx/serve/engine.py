@@ -199,8 +199,8 @@ class Engine:
         """The prompt to feed next, first in turn (admission.turn): one being fed, or the queue's
         first if there is room for it (--batch, --cache-bytes)."""
         now = time.monotonic()
-        held = Counter(r.job.client for r in self.active) + Counter(p.job.client for p in self.prefilling)
-        options = [(turn(p.job, p.left, now, held[p.job.client] - 1), p) for p in self.prefilling]
+        held = Counter(r.job.client for r in self.active)  # requests decoding, per client
+        options = [(turn(p.job, p.left, now, held[p.job.client]), p) for p in self.prefilling]
         room = len(self.active) + len(self.prefilling) < self.cfg.batch
         if room and (job := self.waiting.first(now, held)) is not None and self._fits(job):
             options.append((turn(job, prompt_left(job), now, held[job.client]), job))
