@@ -49,6 +49,10 @@ from omnidraft_mlx.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from omnidraft_mlx.profile.atomic import atomic_write_text
 
 BAR = 1.5  # the normal request beside a probe: at most this many times its median alone
+# Probes made of ordinary requests, served as any client's are: the normal request beside them shares
+# the machine with their work (their ratio is reported, not judged); what they must not do is learn
+# anything (second-key: the cached tokens of a right and a wrong guess are equal).
+ORDINARY = {"second-key"}
 LEAD_S = 0.5  # a probe starts this long before the normal request beside it
 PAUSE_S = 0.25  # between two sends of a repeated probe
 CANCEL_S = 2.0  # a request whose client hung up stops costing within this
@@ -272,7 +276,8 @@ def checks(result: dict) -> dict[str, bool]:
     for name, p in found.items():
         normal = p["normal"]
         out[f"{name}: the normal request beside it answered, its reply as alone"] = normal["reply"] == alone["reply"]
-        out[f"{name}: the normal request beside it <= {BAR}x its time alone"] = p["ratio"] <= BAR
+        if name not in ORDINARY:
+            out[f"{name}: the normal request beside it <= {BAR}x its time alone"] = p["ratio"] <= BAR
         if name in EXPECTED:
             out[f"{name}: refused {EXPECTED[name]} every time"] = p["probe"].get("statuses") == {
                 str(EXPECTED[name]): p["probe"]["sent"]
@@ -336,8 +341,17 @@ def readme(result: dict) -> str:
     for name, p in result["probes"].items():
         normal = p["normal"]
         beside = f"{normal['seconds']:.2f} s" + (f" ({normal['statuses']})" if normal["statuses"] != [200] else "")
-        lines.append(f"| {name} | {' | '.join(cells(name, p['probe']))} | {beside} | {p['ratio']:.2f}x |")
-    lines += ["", "Checks:", ""]
+        ratio = f"{p['ratio']:.2f}x" + (" (ordinary work, not judged)" if name in ORDINARY else "")
+        lines.append(f"| {name} | {' | '.join(cells(name, p['probe']))} | {beside} | {ratio} |")
+    lines += [
+        "",
+        f"Not judged against the bar: {', '.join(sorted(ORDINARY))}, whose requests are ordinary ones, served",
+        "as any client's (the normal request shares the machine with their prefills); what they must not do is",
+        "learn anything of another key's prompt (the cached tokens of a right and a wrong guess).",
+        "",
+        "Checks:",
+        "",
+    ]
     lines += [f"- {'ok' if ok else 'FAIL'}: {name}" for name, ok in result["checks"].items()]
     return "\n".join(lines) + "\n"
 
@@ -410,11 +424,11 @@ def main(argv=None) -> None:
     result["checks"] = checks(result)
     atomic_write_text(args.out / "hostile.json", json.dumps(result, indent=1))
     atomic_write_text(args.out / "README.md", readme(result))
-    worst = max(found, key=lambda name: found[name]["ratio"])
+    worst = max((name for name in found if name not in ORDINARY), key=lambda name: found[name]["ratio"])
     print_checks(
         result["checks"],
         f"normal request alone {alone['median_s']:.2f}s (median); beside the probes at most "
-        f"{found[worst]['ratio']:.2f}x ({worst})",
+        f"{found[worst]['ratio']:.2f}x ({worst}; judged probes)",
         args.out / "hostile.json",
         "hostile",
     )
