@@ -16,7 +16,7 @@ from test_server import chat_greedy, idle, start
 
 from omnidraft_mlx.decode.speculative import SpecConfig
 from omnidraft_mlx.prompts import encode_prompt
-from omnidraft_mlx.serve.admission import AGE_S, Waiting, prompt_left, turn
+from omnidraft_mlx.serve.admission import CREDIT_PER_S, Waiting, prompt_left, turn
 from omnidraft_mlx.serve.jobs import Job
 from omnidraft_mlx.serve.schema import ApiError
 
@@ -29,9 +29,11 @@ def test_fewest_prompt_tokens_go_first_and_a_long_wait_goes_before_later_arrival
     now = 1000.0
     long, short = job(1500, now - 1), job(20, now - 0.5)
     assert turn(short, prompt_left(short), now, 0) < turn(long, prompt_left(long), now, 0)  # short first
-    aged = job(1500, now - AGE_S)
-    later = job(20, now - AGE_S + 0.1)
-    assert turn(aged, prompt_left(aged), now, 5) < turn(later, prompt_left(later), now, 0)  # not starved
+    waited = (1500 + 1) / CREDIT_PER_S  # long enough to go before a fresh one-token prompt
+    aged, fresh = job(1500, now - waited), job(2, now)
+    assert turn(aged, prompt_left(aged), now, 0) < turn(fresh, prompt_left(fresh), now, 0)  # not starved
+    together = [job(1500, now - 60), job(20, now - 60)]  # all waited long: still the short first
+    assert min(together, key=lambda j: turn(j, prompt_left(j), now, 0)) is together[1]
 
     waiting = Waiting(most=2)
     waiting.put(long)

@@ -7,11 +7,11 @@ not starve the others); 503 once the server is shutting down. --max-connections 
 limit_concurrency, server.py) bounds the open connections, so a flood of them cannot use up the
 process's open files.
 
-The engine admits waiting requests, and feeds the prompts it has begun, in turn() order: those of
-the clients with the fewest requests decoding first (one client's flood does not crowd out the
-others' turns), then the fewest prompt tokens left to feed (a short prompt does not wait behind
-other clients' long prefills); a request that has waited AGE_S goes before every request that came
-after it, so a long prompt is never starved.
+The engine admits waiting requests, and feeds the prompts it has begun, in turn() order: the
+fewest prompt tokens left to feed first (a short prompt does not wait behind other clients' long
+prefills), each request its client has decoding counting as HELD_TOKENS more (one client's flood
+does not crowd out another's turn), and every second waited as CREDIT_PER_S fewer (a long prompt
+is never starved: it waits at most its length / CREDIT_PER_S behind later, shorter ones).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from omnidraft_mlx.serve.schema import ApiError
 if TYPE_CHECKING:
     from omnidraft_mlx.serve.jobs import Job
 
-AGE_S = 15.0  # a request waiting this long goes before all that came after it
+CREDIT_PER_S = 100.0  # prompt tokens of precedence a request earns per second it waits
+HELD_TOKENS = 512  # each request its client has decoding counts as this many prompt tokens more
 RETRY_AFTER_S = 1  # what a refused client is told to wait before it tries again
 
 
@@ -43,12 +44,11 @@ def shutting_down() -> ApiError:
 
 
 def turn(job: Job, left: int, now: float, held: int) -> tuple:
-    """A request's place in line for prefill, smallest first: once it has waited AGE_S, by arrival,
-    before every other; else by `held`, the requests its client has decoding already (one client's
-    flood does not crowd out the others' turns; its prompts being fed do not count, so one client's
-    short prompt still goes before its own long one), then by `left`, the prompt tokens it has left to
-    feed, then by arrival."""
-    return (0, job.arrived, 0, 0) if now - job.arrived >= AGE_S else (1, held, left, job.arrived)
+    """A request's place in line for prefill, smallest first: `left`, the prompt tokens it has left to
+    feed, plus HELD_TOKENS for each of the `held` requests its client has decoding, less CREDIT_PER_S
+    for each second it has waited; then by arrival. (Once every request has waited a while, a cut-off
+    age would serve them in arrival order, the long before the short: the credit keeps their order.)"""
+    return (left + HELD_TOKENS * held - CREDIT_PER_S * (now - job.arrived), job.arrived)
 
 
 def prompt_left(job: Job) -> int:

@@ -7,9 +7,10 @@ back (decode.speculative.round_together: a request that fails there fails alone)
 requests (admission.Waiting: bounded) are admitted between rounds, and their prompts fed:
 between two rounds of the requests under way, about PAUSE_S of prompt feeding, a long prompt
 a chunk at a time so the other streams go on meanwhile, fewest prompt tokens left first
-(admission.turn: a short prompt does not wait behind long prefills, and a long one waits
-AGE_S at most behind later ones); a request whose caches at full length would not fit in
---cache-bytes beside the others' (the prompt cache gives way to them) waits for room. Every
+(admission.turn: a short prompt does not wait behind long prefills, a flooding client's
+requests behind other clients', and a waiting request earns precedence: none is starved); a
+request whose caches at full length would not fit in --cache-bytes beside the others' (the
+prompt cache gives way to them) waits for room. Every
 request uses the server's one scheduler, so what it measured on each request serves them
 all. The engine runs in the main thread (MLX does all its work there: a process whose other
 threads ran a model aborts at exit). A request whose client went away leaves the queue, its
