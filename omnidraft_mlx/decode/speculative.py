@@ -64,8 +64,7 @@ class SpecConfig:
 
     def for_reply(self, **given) -> SpecConfig:
         """These settings with one reply's own values where it gives them (None: not given), checked:
-        how every front end (a chat turn, an HTTP request, a bench row) makes a reply's settings
-        from its defaults."""
+        how a front end (a chat turn, an HTTP request) makes a reply's settings from its defaults."""
         return replace(self, **{name: value for name, value in given.items() if value is not None})
 
 
