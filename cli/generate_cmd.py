@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 class Printer:
     """Streams target tokens as text; drafted ones optionally coloured."""
 
-    def __init__(self, target_bytes: list[bytes | None], console, show_draft: bool, quiet: bool):
+    def __init__(self, target_bytes: list[bytes | None], console, show_draft: bool, quiet: bool, shown: bool = True):
         self.stream, self.console = TextStream(target_bytes), console
-        self.show_draft, self.quiet = show_draft, quiet
+        self.show_draft, self.quiet, self.shown = show_draft, quiet, shown  # shown: False on all but the lead rank
 
     def add(self, tokens: list[int], drafted: list[bool]) -> None:
         for t, d in zip(tokens, drafted):
@@ -33,6 +33,8 @@ class Printer:
         self._write(self.stream.finish() + "\n", False)
 
     def _write(self, text: str, drafted: bool) -> None:
+        if not self.shown:
+            return
         if self.quiet or not self.show_draft:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -70,32 +72,39 @@ def generate(
     tree: bool = options.TREE,
     show_draft: bool = options.SHOW_DRAFT,
     no_profile: bool = options.NO_PROFILE,
+    shard: str = options.SHARD,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the generated text."),
 ) -> None:
-    """Generate text from PROMPT, speculatively with a drafter unless --model is given."""
+    """Generate text from PROMPT, speculatively with a drafter unless --model is given. Under
+    `mlx.launch` the target is split over the ranks (--shard) and rank 0 alone prints."""
     flags = dict(locals())  # the flags as given, before the body adds names
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
+    from omnidraft_mlx.decode.ranks import SHARDINGS, ranks_of
     from omnidraft_mlx.prompts import user_messages
+    from omnidraft_mlx.settings import check_choice
 
     if prompt == "-":
         prompt = sys.stdin.read()
     # The settings check themselves (one-line errors), before any model loads; plain decoding too.
     cfg = options.decoding(flags)
     policy_cfg = options.draft_length(policy, gamma, k, max_k)
-    if not quiet:
-        warn_if_slow_blas(err_console)
+    check_choice("--shard", shard, SHARDINGS)
     messages = user_messages(prompt, system)
 
     target_name = model or target
-    target_model, target_tok, target_ids = _load(target_name, messages, raw)
+    target_model, target_tok, target_ids = _load(target_name, messages, raw, shard)
+    lead = ranks_of(target_model).lead  # the rank that prints (decode/ranks.py)
+    quiet = quiet or not lead
+    if not quiet:
+        warn_if_slow_blas(err_console)
     if not _fits_context(target_model, len(target_ids), cfg):
         raise OmniDraftError(
             f"prompt ({len(target_ids)} tokens) + --max-tokens {max_tokens} exceed {target_name}'s "
             "context: shorten the prompt or lower --max-tokens"
         )
     drafter = None if model else _load_drafter(draft, messages, raw, cfg)
-    printer = partial(Printer, console=console, show_draft=show_draft, quiet=quiet)
+    printer = partial(Printer, console=console, show_draft=show_draft, quiet=quiet, shown=lead)
     if drafter:
         from omnidraft_mlx.loading import open_pair
         from omnidraft_mlx.models.pull import CATALOG_RESOLVER
@@ -116,13 +125,13 @@ def generate(
         err_console.print(f"[dim]{summary}[/]")
 
 
-def _load(name: str, messages: list[dict], raw: bool) -> tuple:
-    """(model, tokenizer, the prompt in its tokens)."""
+def _load(name: str, messages: list[dict], raw: bool, shard: str | None = None) -> tuple:
+    """(model, tokenizer, the prompt in its tokens); shard: load_model's."""
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.models.pull import CATALOG_RESOLVER
     from omnidraft_mlx.prompts import encode_prompt
 
-    model, tok = load_model(name, CATALOG_RESOLVER)
+    model, tok = load_model(name, CATALOG_RESOLVER, shard)
     return model, tok, encode_prompt(tok, messages, raw)
 
 

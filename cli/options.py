@@ -53,6 +53,12 @@ SAMPLING = typer.Option("exact", "--sampling", help="Sampling mode: exact (lossl
 LOOKUP_LEN = typer.Option(8, "--lookup-len", help="Most tokens a lookup in the text proposes.")
 SYSTEM = typer.Option(None, "--system", help="System prompt.")
 SHOW_DRAFT = typer.Option(False, "--show-draft", help="Colour the tokens that came from the drafter.")
+SHARD = typer.Option(
+    "tensor",
+    "--shard",
+    help="Under mlx.launch: split the target over the ranks tensor-parallel (each layer's weights) or as a "
+    "pipeline (its layers); a family that has one of the two uses that one.",
+)
 
 
 def decoding(flags: dict) -> SpecConfig:

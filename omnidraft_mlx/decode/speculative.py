@@ -32,7 +32,7 @@ from omnidraft_mlx.decode.kvcache import KVSlot
 from omnidraft_mlx.decode.layouts import fit_tree
 from omnidraft_mlx.decode.lookup import ContextLookup, HistoryIndex, HistorySource, escaped_views
 from omnidraft_mlx.decode.policy import DraftPolicy, FixedPolicy, PolicyConfig
-from omnidraft_mlx.decode.scheduler import Scheduler
+from omnidraft_mlx.decode.scheduler import Round, Scheduler
 from omnidraft_mlx.decode.tree import TokenTree
 from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.settings import check_settings, setting
@@ -258,8 +258,15 @@ class Decoding:
         stats.cached_tokens = min(target.common_prefix(target_prompt), len(target_prompt) - 1)
         target.reuse(pair.target, target_prompt[:-1])
         self.scheduler = scheduler or Scheduler()
+        # Over ranks (ranks.py) the lead alone drafts, chains only: a tree's probe would run on one rank.
+        drafting = cfg if pair.ranks.group is None else replace(cfg, tree=False)
+        sources = (
+            make_sources(pair, draft_prompt, target_prompt, drafting, policy, history, draft_slot, learn_history)
+            if pair.ranks.lead
+            else []
+        )
         self.sources = self.scheduler.begin_reply(
-            make_sources(pair, draft_prompt, target_prompt, cfg, policy, history, draft_slot, learn_history),
+            sources,
             cfg.guard,
             self.ctx,
             pair.target,
@@ -272,19 +279,23 @@ class Decoding:
 
     def plan(self) -> TokenTree:
         """This round's draft (the scheduler's choice; no tokens: a plain step), as the tree to verify after y:
-        cut to its chain where the target verifies only chains (layouts.fit_tree); take() reads the same tree."""
-        t0, left = time.perf_counter(), self.cfg.max_tokens - len(self.ctx.committed)
-        self.round = self.scheduler.propose(self.sources, self.ctx, left)
-        self.tree = fit_tree(self.pair.target, self.target.cache, self.round.draft.tree())
+        cut to its chain where the target verifies only chains (layouts.fit_tree); take() reads the same tree.
+        A target split over ranks verifies the lead's (ranks.py)."""
+        t0 = time.perf_counter()
+        self.round, self.tree = self.pair.ranks.plan(self._propose)
         self.draft_s = time.perf_counter() - t0
         return self.tree
+
+    def _propose(self) -> tuple[Round, TokenTree]:
+        proposed = self.scheduler.propose(self.sources, self.ctx, self.cfg.max_tokens - len(self.ctx.committed))
+        return proposed, fit_tree(self.pair.target, self.target.cache, proposed.draft.tree())
 
     def take(self, out: mx.array, forward_s: float) -> tuple[list[int], list[bool]]:
         """The target's logits over [y, *tree] (evaluated in forward_s: in a batch, this reply's
         share) -> (new target ids, which of them were drafted); the caches keep them."""
         ctx, draft, tree, stats = self.ctx, self.round.draft, self.tree, self.stats
         t1 = time.perf_counter()
-        path, self.y = accept(out, tree, draft, self.cfg, ctx.rng)
+        path, self.y = self.pair.ranks.take(lambda: accept(out, tree, draft, self.cfg, ctx.rng))
         verify_s = forward_s + time.perf_counter() - t1
         self.target.keep_path(tree, path)
         new = [*(tree.tokens[i] for i in path), self.y]

@@ -1,0 +1,93 @@
+"""Speculative decoding with the target split over the ranks of `mlx.launch` (mx.distributed).
+
+`mlx.launch -n 2 --backend ring -- omnidraft generate ...` loads the target split
+with mlx-lm's own sharding (shard_target: tensor parallel through the family's
+`model.shard(group)`, or a pipeline through `model.model.pipeline(group)`); every
+target forward is then a collective that all ranks run together, on the same tokens.
+
+The lead (rank 0) alone drafts: it holds the draft sources (drafter, lookups, the
+scheduler that picks among them) and the sampler. The scheduler's choices rest on
+measured timings, which differ from rank to rank, and a draft's proposal
+distributions and the accept/reject draws must be one rank's for sampling to stay
+lossless, so one rank decides and the others follow. Every rank loads the drafter
+(small) for the vocabulary map; only the lead runs it. A round costs two shares at
+its boundaries (Ranks.plan, Ranks.take), each learn.distributed.broadcast_bytes (two
+all_sums), besides the target forward's own collectives:
+- plan: the lead's draft as the tree to verify (tokens, parents, chain length),
+- take: the accepted path and the target's next token.
+Every rank then verifies the same tree and keeps the same path (its KV and recurrent
+state roll back the same way). Across ranks the lead drafts chains, not trees
+(speculative.Decoding turns --tree off there): whether a rank's layers take a tree is
+its own (a pipeline stage's recurrent layers), and a probe run by one rank alone would
+wait forever on the others. On one rank (ALONE) both shares are the identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from omnidraft_mlx.anatomy import family
+from omnidraft_mlx.decode.drafts import Draft
+from omnidraft_mlx.decode.scheduler import Round
+from omnidraft_mlx.decode.tree import TokenTree
+from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.learn.distributed import all_sum, broadcast_bytes
+
+SHARDINGS = ("tensor", "pipeline")  # --shard: the way preferred where a family has both
+
+
+class Ranks:
+    """Who decides a round: the lead, then the others get its decisions (group None: one process)."""
+
+    def __init__(self, group: mx.distributed.Group | None = None):
+        self.group = group
+        self.lead = group is None or group.rank() == 0
+
+    def plan(self, propose: Callable[[], tuple[Round, TokenTree]]) -> tuple[Round, TokenTree]:
+        """The round to verify: the lead's propose(); the others get the lead's tree, as a round of
+        no source of their own."""
+        if self.group is None:
+            return propose()
+        if self.lead:
+            proposed, tree = propose()
+            broadcast_bytes(np.array([tree.chain, *tree.tokens, *tree.parents], np.int32).tobytes(), self.group)
+            return proposed, tree
+        sent = np.frombuffer(broadcast_bytes(b"", self.group), np.int32).tolist()
+        n = (len(sent) - 1) // 2
+        tree = TokenTree(sent[1 : 1 + n], sent[1 + n :], sent[0])
+        return Round(Draft(tree.tokens, "lead"), None, looked_up=True), tree
+
+    def take(self, accept: Callable[[], tuple[list[int], int]]) -> tuple[list[int], int]:
+        """The round's accepted path and the target's next token: the lead's accept(), on every rank."""
+        if self.group is None:
+            return accept()
+        path, y = accept() if self.lead else ([], 0)
+        sent = np.frombuffer(broadcast_bytes(np.array([y, *path], np.int32).tobytes(), self.group), np.int32)
+        return sent[1:].tolist(), int(sent[0])
+
+
+ALONE = Ranks()
+
+
+def shard_target(model, group: mx.distributed.Group, prefer: str = "tensor") -> None:
+    """Split a (lazily loaded) target over the group with mlx-lm's own sharding, `prefer` where
+    the family has both ways, then load this rank's part of the weights."""
+    ways = {"tensor": hasattr(model, "shard"), "pipeline": hasattr(getattr(model, "model", None), "pipeline")}
+    how = prefer if ways[prefer] else next((way for way, has in ways.items() if has), None)
+    if how is None:
+        raise OmniDraftError(
+            f"mlx-lm cannot split a {family(model)} model over {group.size()} ranks (no tensor or pipeline "
+            "sharding for the family): run it in one process, without mlx.launch"
+        )
+    model.shard(group) if how == "tensor" else model.model.pipeline(group)
+    mx.eval(model.parameters())
+    mx.eval(all_sum(mx.array(1.0), group))  # every rank loaded: none times out waiting in the first forward
+    object.__setattr__(model, "omnidraft_ranks", Ranks(group))  # not an mlx parameter
+
+
+def ranks_of(model) -> Ranks:
+    """The ranks a target was split over (shard_target), ALONE for a whole one."""
+    return getattr(model, "omnidraft_ranks", ALONE)
