@@ -1,12 +1,20 @@
 """`omnidraft adapt`: the drafter learns from a local corpus (or a benchmark's adaptation split).
 
+A run ends on its own: after --minutes (DEFAULT_MINUTES when neither it nor --max-prompts
+is given), --max-prompts items or the corpus end, or on Ctrl-C or SIGTERM once the update
+under way is saved; it says why, what it did and how to go on.
 Under `mlx.launch` (the target mode) the ranks share the prompts; rank 0 alone
-evaluates, shows progress and writes the profile."""
+evaluates, shows progress, writes the profile and decides when to stop."""
 
 from __future__ import annotations
 
+import os
+import shlex
+import signal
+import sys
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import typer
@@ -14,6 +22,10 @@ import typer
 from omnidraft_mlx.cli import options
 from omnidraft_mlx.decode.policy import PolicyConfig, check_policy, make_policy
 from omnidraft_mlx.errors import OmniDraftError
+from omnidraft_mlx.settings import check_range
+
+# A run given no bound stops after this long (a new user's first run ends on its own); tests shorten it.
+DEFAULT_MINUTES = float(os.environ.get("OMNIDRAFT_ADAPT_MINUTES", 20))
 
 
 def _samples(corpus: str | None, task: str | None, n_eval: int):
@@ -61,11 +73,14 @@ def adapt(
         None,
         "--minutes",
         help=(
-            "Start nothing new after this many minutes (the update under way finishes and is saved: with a large "
-            "target, one update can take 10 minutes)."
+            "Start nothing new after this many minutes of learning (the update under way finishes and is saved: with "
+            f"a large target, one update can take 10 minutes). Default: {DEFAULT_MINUTES:g}, unless --max-prompts is "
+            "given; 0 = no time limit (until the corpus ends, Ctrl-C or SIGTERM)."
         ),
     ),
-    max_prompts: int | None = typer.Option(None, "--max-prompts", help="Stop after this many corpus items."),
+    max_prompts: int | None = typer.Option(
+        None, "--max-prompts", help="Stop after this many corpus items (with no --minutes: no time limit)."
+    ),
     interval: int = typer.Option(
         16,
         "--interval",
@@ -92,7 +107,10 @@ def adapt(
     eval_tokens: int = typer.Option(32, "--eval-tokens", help="Tokens generated per evaluation prompt."),
     raw: bool = typer.Option(False, "--raw", help="Send prompts without the chat template."),
 ) -> None:
-    """Fine-tune the drafter for the target on CORPUS (or --task), saving the pair's profile after every update."""
+    """Fine-tune the drafter for the target on CORPUS (or --task), saving the pair's profile after every update.
+
+    It stops after --minutes (by default 20), --max-prompts or the corpus end; Ctrl-C or SIGTERM stops it once the
+    update under way is saved (a second one stops at once). The same command again goes on where it stopped."""
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import err_console
     from omnidraft_mlx.learn.adapt import Budget, check_mode
@@ -100,14 +118,18 @@ def adapt(
     from omnidraft_mlx.learn.distributed import world
 
     mode = check_mode(mode) if mode is not None else None
-    _check_flags(policy, interval, k, max_tokens, n_eval)
+    _check_flags(policy, interval, k, max_tokens, n_eval, minutes, max_prompts)
     cfg = DistillConfig(lam=lam, lr=lr, lora_rank=rank, layers=layers, batch=batch, steps=steps, max_len=max_len)
     samples, held, key = _samples(corpus, task, n_eval)
     mode = _pick_mode(mode, samples)
     group = world()
-    lead = group.rank() == 0  # the rank that evaluates, reports and writes the profile
+    lead = group.rank() == 0  # the rank that evaluates, reports, writes the profile and decides when to stop
     if group.size() > 1 and mode != "target":
         raise OmniDraftError(f"under mlx.launch adapt runs in the target mode (a JSONL corpus or --task), not {mode}")
+    default = minutes is None and max_prompts is None
+    minutes = DEFAULT_MINUTES if default else minutes
+    if lead:
+        err_console.print(_plan(mode, key, len(samples), minutes, max_prompts, default), soft_wrap=True)
     warn_if_slow_blas(err_console)
 
     # The target mode trains the acceptance head too, on replays of the replies (adapt.head_labels).
@@ -116,20 +138,76 @@ def adapt(
         if mode != "teacher-forced"
         else None
     )
-    learner = _open_learner(draft, target, cfg, interval, raw, draft_policy, group, lead, history=mode == "target")
-    _resume(learner, key, len(samples), group, lead)
-    before = _evaluate(learner.pair, held, k, eval_tokens, "before", lead)
-    run = _Run(learner, mode, group, lead, len(samples), max_prompts)
-    run.learn(samples, Budget(minutes, max_prompts), k, max_tokens)
-    after = _evaluate(learner.pair, held, k, eval_tokens, "after", lead)
+    stop = threading.Event()
+    with _stop_on_signals(stop, lead):
+        learner = _open_learner(draft, target, cfg, interval, raw, draft_policy, group, lead, history=mode == "target")
+        _resume(learner, key, len(samples), group, lead)
+        before = None if stop.is_set() else _evaluate(learner.pair, held, k, eval_tokens, "before", lead)
+        run = _Run(learner, mode, group, lead, len(samples), max_prompts)
+        budget = Budget(minutes or None, max_prompts, stop)  # --minutes 0: no time limit
+        run.learn(samples, budget, k, max_tokens)
+        why = None if learner.position >= len(samples) else budget.why_spent(run.done)  # the lead's, as it decided
+        after = None if stop.is_set() else _evaluate(learner.pair, held, k, eval_tokens, "after", lead)
     if lead:
+        run.summary(why)
         _report(learner, len(samples), key, before, after, f"{len(held)} prompts, {eval_tokens} tokens, greedy, k={k}")
+        _go_on(learner.profile.position(key), len(samples), key, group.size())
 
 
-def _check_flags(policy: str, interval: int, k: int, max_tokens: int, n_eval: int) -> None:
+def _check_flags(
+    policy: str, interval: int, k: int, max_tokens: int, n_eval: int, minutes: float | None, max_prompts: int | None
+) -> None:
     check_policy(policy)
     if min(interval, k, max_tokens) < 1 or n_eval < 0:
         raise OmniDraftError("--interval, --k and --max-tokens must be at least 1, --eval at least 0")
+    if minutes is not None:
+        check_range("--minutes", minutes, 0)
+    if max_prompts is not None:
+        check_range("--max-prompts", max_prompts, 1)
+
+
+def _plan(mode: str, key: str, n_samples: int, minutes: float, max_prompts: int | None, default: bool) -> str:
+    """The first line a run prints: what it learns from, when it stops and how to stop it sooner."""
+    if default:
+        limit = f"stops after {minutes:g} minutes of learning (the default: --minutes sets another, 0 = no limit)"
+    elif minutes and max_prompts is not None:
+        limit = f"stops after {minutes:g} minutes of learning or {max_prompts} items"
+    elif minutes:
+        limit = f"stops after {minutes:g} minutes of learning"
+    elif max_prompts is not None:
+        limit = f"stops after {max_prompts} items"
+    else:
+        limit = "no time limit: learns to the end of the corpus"
+    return (
+        f"adapt: {mode} mode on {key} ({n_samples} items); {limit}; Ctrl-C or SIGTERM stops it once the update under "
+        "way is saved"
+    )
+
+
+@contextmanager
+def _stop_on_signals(stop: threading.Event, lead: bool):
+    """Ctrl-C (SIGINT) and SIGTERM set `stop`: nothing new starts, the update under way finishes and is
+    saved. A second one stops at once (KeyboardInterrupt; what was learned since the last save is lost).
+    Under mlx.launch every rank holds them; rank 0's `stop` decides (Budget.spent_on_lead)."""
+    from omnidraft_mlx.cli.main import err_console
+
+    def on_signal(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        if lead:
+            err_console.print(
+                f"{signal.Signals(signum).name}: stopping on request once the update under way is saved "
+                "(a second Ctrl-C or SIGTERM stops at once, losing it)",
+                soft_wrap=True,
+            )
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _pick_mode(mode: str | None, samples) -> str:
@@ -228,7 +306,8 @@ class _Run:
             disable=not self.live,
         )
         self.loss = self.acc = None
-        self.started = time.monotonic()
+        self.started = self.ended = time.monotonic()
+        self.done = self.updates = 0  # items learned from and updates made in this run
 
     def learn(self, samples, budget, k: int, max_tokens: int) -> None:
         from omnidraft_mlx.decode.speculative import SpecConfig
@@ -242,11 +321,14 @@ class _Run:
                 learn_from_target(self.learner, samples, max_tokens, budget, self.show)
             else:
                 learn_teacher_forced(self.learner, samples, budget, self.show)
+        self.ended = time.monotonic()
 
     def show(self, event) -> None:
         from omnidraft_mlx.cli.main import err_console
 
+        self.done = event.done
         if event.update:
+            self.updates += 1
             self.loss = event.update.loss
         if event.acceptance is not None:
             self.acc = event.acceptance
@@ -263,6 +345,18 @@ class _Run:
                 f"{event.done}/{self.total} prompts (position {event.position}/{self.n_samples}) | {line}",
                 soft_wrap=True,
             )
+
+    def summary(self, why: str | None) -> None:
+        """Why the run stopped (Budget.why_spent; None: the corpus ended) and what it did."""
+        from omnidraft_mlx.cli.main import console
+
+        why = why or "the corpus is done"
+        seconds = self.ended - self.started
+        spent = f"{seconds / 60:.1f} minutes" if seconds >= 60 else f"{seconds:.0f} s"
+        items = "items" if self.mode == "teacher-forced" else "prompts"
+        updates = f"{self.updates} update" + ("s" if self.updates != 1 else "")
+        ranks = f" on {self.group.size()} ranks" if self.group.size() > 1 else ""
+        console.print(f"{why}: learned from {self.done} {items} in {updates} over {spent}{ranks}", soft_wrap=True)
 
 
 def _report(learner, n_samples: int, key: str, before: dict | None, after: dict | None, eval_setup: str) -> None:
@@ -285,3 +379,17 @@ def _report(learner, n_samples: int, key: str, before: dict | None, after: dict 
             f"tokens/target forward {before['tokens_per_forward']:.2f} -> {after['tokens_per_forward']:.2f} "
             f"({eval_setup})"
         )
+    elif before:
+        console.print(f"held-out acceptance {before['acceptance']:.3f} before; not measured after (stopped on request)")
+
+
+def _go_on(position: int, n_samples: int, key: str, ranks: int) -> None:
+    """How to go on: the same command resumes at `position`, the one the profile holds for this corpus."""
+    from omnidraft_mlx.cli.main import console
+
+    if position >= n_samples:
+        console.print(f"all {n_samples} items of {key} are learned from (`omnidraft profile reset` starts over)")
+        return
+    command = shlex.join(["omnidraft", *sys.argv[1:]])
+    launcher = " (under the same mlx.launch, with any number of ranks)" if ranks > 1 else ""
+    console.print(f"to go on from item {position + 1} of {n_samples}{launcher}: {command}", soft_wrap=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
@@ -361,14 +362,26 @@ def open_learner(
 
 @dataclass
 class Budget:
+    """When a loop starts nothing new: after `minutes` or `max_prompts` items (None: no bound),
+    or once `stop` is set (`omnidraft adapt` sets it on Ctrl-C or SIGTERM)."""
+
     minutes: float | None = None
     max_prompts: int | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
     start: float = field(default_factory=time.monotonic)
 
-    def spent(self, done: int) -> bool:
+    def why_spent(self, done: int) -> str | None:
+        """Why nothing new is to start after `done` items, or None while something may."""
+        if self.stop.is_set():
+            return "stopped on request"
         if self.max_prompts is not None and done >= self.max_prompts:
-            return True
-        return self.minutes is not None and time.monotonic() - self.start >= 60 * self.minutes
+            return f"{self.max_prompts} items are done"
+        if self.minutes is not None and time.monotonic() - self.start >= 60 * self.minutes:
+            return f"{self.minutes:g} minutes are up"
+        return None
+
+    def spent(self, done: int) -> bool:
+        return self.why_spent(done) is not None
 
     def spent_on_lead(self, done: int, group) -> bool:
         """Rank 0's verdict, on every rank (their clocks differ; all must stop together)."""
@@ -443,7 +456,8 @@ def learn_speculative(
         )
         report = learner.update(_window(records, learner.interval)) if len(learner.buffer) >= learner.interval else None
         on_event(Event(done, learner.position, stats.acceptance, report))
-    learner.update(_window(records, learner.interval))  # what is left in the buffer
+    if report := learner.update(_window(records, learner.interval)):  # what is left in the buffer
+        on_event(Event(done, learner.position, None, report))
     return records
 
 
@@ -593,7 +607,8 @@ def learn_teacher_forced(
         learner.position, done = idx + 1, done + 1
         report = learner.update({"position": idx + 1}) if len(learner.buffer) >= learner.interval else None
         on_event(Event(done, learner.position, None, report))
-    learner.update({"position": learner.position})
+    if report := learner.update({"position": learner.position}):  # what is left in the buffer
+        on_event(Event(done, learner.position, None, report))
 
 
 # --- evaluation ------------------------------------------------------------------
