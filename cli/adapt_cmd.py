@@ -109,8 +109,7 @@ def adapt(
 ) -> None:
     """Fine-tune the drafter for the target on CORPUS (or --task), saving the pair's profile after every update.
 
-    It stops after --minutes (by default 20), --max-prompts or the corpus end; Ctrl-C or SIGTERM stops it once the
-    update under way is saved (a second one stops at once). The same command again goes on where it stopped."""
+    Ctrl-C or SIGTERM stops it once the update under way is saved; the same command again goes on from there."""
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import err_console
     from omnidraft_mlx.learn.adapt import Budget, check_mode

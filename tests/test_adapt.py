@@ -5,6 +5,7 @@ acceptance, the profile (save, resume, kill -9, disk full) and bad input."""
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -383,8 +384,8 @@ def test_bad_corpus(tmp_path):
     assert [s.text for s in samples] == ["# notes\nsome text", None] and samples[1].messages[0]["content"] == "q"
 
 
-def omnidraft(*args, home):
-    env = {**os.environ, "OMNIDRAFT_HOME": str(home)}
+def omnidraft(*args, home, **env):
+    env = {**os.environ, "OMNIDRAFT_HOME": str(home), **env}
     return subprocess.run(
         [sys.executable, "-m", "omnidraft_mlx.cli.main", *args], capture_output=True, text=True, env=env, timeout=300
     )
@@ -465,3 +466,76 @@ def test_adapt_command_bad_input(tmp_path, tiny_dirs):
     out = omnidraft("adapt", str(doc), *pair_args, "--eval", "0", "--rank", "4", home=tmp_path)  # teacher-forced
     assert out.returncode == 0, out.stderr
     assert "update 1" in out.stdout
+
+
+def long_run(tmp_path, tiny_dirs) -> list[str]:
+    """adapt on more prompts than the tiny pair learns from in a minute (an update of 2 prompts per step)."""
+    corpus = tmp_path / "many.jsonl"
+    corpus.write_text("\n".join(json.dumps({"prompt": f"def add_{i}(x):\n    return x + {i}\n"}) for i in range(2000)))
+    pair_args = ["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"])]
+    return ["adapt", str(corpus), *pair_args, "--interval", "2", "--max-tokens", "8", "--eval", "2", "--rank", "4"]
+
+
+def saved_position(stdout: str) -> tuple[int, int]:
+    """(position, corpus size) of the profile line adapt ends with."""
+    found = re.search(r"position (\d+)/(\d+) of file:", stdout)
+    return int(found[1]), int(found[2])
+
+
+def test_adapt_with_no_bound_stops_after_the_stated_default_and_goes_on_from_there(tmp_path, tiny_dirs):
+    help_text = omnidraft("adapt", "--help", home=tmp_path, COLUMNS="400").stdout  # each option's help on one line
+    assert "Default: 20, unless --max-prompts is given; 0 = no time limit" in help_text
+    args = long_run(tmp_path, tiny_dirs)
+    first = omnidraft(*args, home=tmp_path, OMNIDRAFT_ADAPT_MINUTES="0.03")  # 1.8 s
+    assert first.returncode == 0, first.stderr
+    plan = first.stderr.splitlines()[0]  # the first line says when it stops
+    assert plan.startswith("adapt: target mode on file:") and plan.endswith(
+        "(1998 items); stops after 0.03 minutes of learning (the default: --minutes sets another, 0 = no limit); "
+        "Ctrl-C or SIGTERM stops it once the update under way is saved"
+    )
+    assert re.search(
+        r"^0\.03 minutes are up: learned from (\d+) prompts in (\d+) updates over \d+ s$", first.stdout, re.M
+    )
+    position, total = saved_position(first.stdout)
+    assert 0 < position < total == 1998
+    go_on = re.search(rf"^to go on from item {position + 1} of 1998: (.*)$", first.stdout, re.M)[1]
+    assert shlex.split(go_on) == ["omnidraft", *args]
+    again = omnidraft(*args, home=tmp_path, OMNIDRAFT_ADAPT_MINUTES="0.03")
+    assert again.returncode == 0, again.stderr
+    assert f"(position {position + 2}/1998)" in again.stderr  # its first update took the next 2 prompts
+    assert saved_position(again.stdout)[0] > position
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_adapt_once_the_update_under_way_is_saved(tmp_path, tiny_dirs, sig):
+    child = subprocess.Popen(
+        [sys.executable, "-m", "omnidraft_mlx.cli.main", *long_run(tmp_path, tiny_dirs), "--minutes", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMNIDRAFT_HOME": str(tmp_path)},
+    )
+    try:
+        stderr = []
+        for line in child.stderr:
+            stderr.append(line)
+            if "prompts/min" in line:  # an update saved: the run is learning
+                break
+        else:
+            pytest.fail(f"no update reported (exit {child.wait()}): {''.join(stderr)}")
+        assert "no time limit" in stderr[0]
+        child.send_signal(sig)
+        stdout, rest = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0, rest
+    assert f"{sig.name}: stopping on request once the update under way is saved" in rest
+    learned = re.search(r"^stopped on request: learned from (\d+) prompts in (\d+) updates", stdout, re.M)
+    assert learned, stdout
+    position, total = saved_position(stdout)
+    assert position == int(learned[1]) < total  # every prompt answered was learned from, nothing more started
+    assert f"to go on from item {position + 1} of {total}" in stdout
+    assert "not measured after (stopped on request)" in stdout
+    manifest = json.loads(next((tmp_path / "profiles").glob("*/manifest.json")).read_text())
+    assert list(manifest["corpus"].values()) == [position]  # the profile holds where it stopped
+    assert manifest["history"][-1]["position"] == position and len(manifest["history"]) == int(learned[2])
