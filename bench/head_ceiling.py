@@ -1,0 +1,569 @@
+"""What a draft head on the target could give here, before one is built: a ceiling, offline (issue 55).
+
+A head reads the target's own hidden state at the last verified position and the
+embedding of the token after it, and guesses the target's next token; fed its own
+output state and guess, it goes on (EAGLE's autoregression on features). This
+measures, for one target on this machine:
+
+1. Data. The target's teacher forward over the adaptation split of `complete`,
+   `math` and `chat` (the corpus of `omnidraft adapt --task complete,math,chat`:
+   the datasets' reference answers; chat has none, so the target's own greedy
+   replies), and over its own greedy replies to held-out prompts of every new-text
+   task: at each reply position its hidden state and its greedy next token.
+2. Heads, trained with MLX on the first N = 100, 300, 1,000 replies of that corpus
+   (interleaved as adapt reads it), each with a draft vocabulary of the target's
+   most frequent next tokens in those replies (its output projection starts as the
+   target's rows for them):
+   - `table`: the target's most frequent next token after each token (no state);
+   - `mlp`: fuse [norm(h); norm(emb(x))] to the hidden size, one residual MLP, the
+     draft vocabulary's projection; trained unrolled over its own states for the
+     first DEPTH_TRAINED positions (EAGLE-3's training-time test).
+3. Acceptance on the held-out replies, per task: at every position a chain of up
+   to MAX_CHAIN tokens drafted from the head's own guesses; the share of first,
+   second, third tokens kept given the ones before were. The drafter's chain on
+   the same replies beside it (teacher-forced in its own tokenization, as
+   tree_ceiling.py does: approximate across vocabularies).
+4. Prices measured now, alone: a target forward over 1 + k tokens after a
+   prompt's worth of cache, one head step, one drafter step. Each reply is then
+   replayed as greedy speculative decoding with chains of k = 1..MAX_CHAIN: its
+   tokens per round over the round's price (verify(k) + k steps) against plain
+   decoding's verify(0) per token: the speedup a chain of k would give if drafting
+   cost nothing else.
+
+    ./run.sh python -m omnidraft_mlx.bench.head_ceiling --target qwen2.5-coder-0.5b \\
+        --out bench/results/head-ceiling/qwen2.5-coder-0.5b
+
+writes OUT/ceiling.json and OUT/ceiling.png; the target's recordings are kept in
+--work (default /tmp/head-ceiling/TARGET) so a second run only trains and prices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+
+TRAIN_TASKS = "complete,math,chat"
+EVAL_TASKS = ("write", "complete", "math", "chat")
+SIZES = (100, 300, 1000)
+EVAL_PROMPTS = 10  # held-out prompts a task
+MAX_REPLY = 128  # tokens of a generated reply, and of a reference read
+MAX_CHAIN = 5
+DEPTH_TRAINED = 3
+DRAFT_VOCAB = 8192
+BATCH = 256
+CACHED = 200  # tokens in the cache before the priced forwards
+
+
+@dataclass
+class Recording:
+    """Replies as the target saw them, concatenated. Reply r holds positions offsets[r]..offsets[r+1]-1;
+    at its position j: hidden[j] the target's state after the reply's token j-1 (j=0: the prompt's last),
+    tokens[j] the reply's token j, labels[j] the target's greedy token after token j-1 (what tokens[j]
+    is where the reply is the target's own). labels has one more entry per reply (after its last token)
+    at label_offsets."""
+
+    tasks: list[str]
+    hidden: np.ndarray
+    tokens: np.ndarray
+    labels: np.ndarray
+    offsets: np.ndarray
+    label_offsets: np.ndarray
+
+    def replies(self, n: int | None = None) -> Recording:
+        n = len(self.tasks) if n is None else n
+        end, label_end = self.offsets[n], self.label_offsets[n]
+        return Recording(
+            self.tasks[:n],
+            self.hidden[:end],
+            self.tokens[:end],
+            self.labels[:label_end],
+            self.offsets[: n + 1],
+            self.label_offsets[: n + 1],
+        )
+
+    def of_all(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(hidden, tokens, labels) of each reply."""
+        return [
+            (
+                self.hidden[self.offsets[r] : self.offsets[r + 1]],
+                self.tokens[self.offsets[r] : self.offsets[r + 1]],
+                self.labels[self.label_offsets[r] : self.label_offsets[r + 1]],
+            )
+            for r in range(len(self.tasks))
+        ]
+
+    def save(self, path: Path) -> None:
+        np.savez(path, tasks=np.array(self.tasks), **{k: getattr(self, k) for k in FIELDS})
+
+    @classmethod
+    def load(cls, path: Path) -> Recording:
+        data = np.load(path)
+        return cls(list(data["tasks"]), *(data[k] for k in FIELDS))
+
+
+FIELDS = ("hidden", "tokens", "labels", "offsets", "label_offsets")
+
+
+def record(target, conversations: list[tuple[str, list[int], list[int]]]) -> Recording:
+    """One teacher forward of the target over each (task, prompt ids, reply ids)."""
+    from omnidraft_mlx.anatomy import hidden_states, logits
+
+    tasks, hidden, tokens, labels = [], [], [], []
+    for n, (task, prompt, reply) in enumerate(conversations):
+        ids = prompt + reply
+        states = hidden_states(target, mx.array(ids)[None])[0, len(prompt) - 1 :]
+        greedy = mx.argmax(logits(target, states), axis=-1)
+        mx.eval(states, greedy)
+        tasks.append(task)
+        hidden.append(np.array(states[:-1].astype(mx.float16)))
+        tokens.append(np.array(reply, np.int32))
+        labels.append(np.array(greedy, np.int32))
+        if (n + 1) % 50 == 0:
+            print(f"  recorded {n + 1}/{len(conversations)} replies", flush=True)
+    offsets = np.cumsum([0] + [len(t) for t in tokens])
+    label_offsets = np.cumsum([0] + [len(x) for x in labels])
+    return Recording(
+        tasks, np.concatenate(hidden), np.concatenate(tokens), np.concatenate(labels), offsets, label_offsets
+    )
+
+
+def greedy_replies(target, tokenizer, prompts: list[list[int]]) -> list[list[int]]:
+    from mlx_lm.generate import batch_generate
+
+    out = batch_generate(target, tokenizer, prompts, max_tokens=MAX_REPLY, return_token_ids=True)
+    return [list(r) for r in out.token_ids]
+
+
+def conversations(target, tokenizer) -> tuple[list, list[dict]]:
+    """Training conversations as (task, prompt ids, reply ids), in adapt's order; held-out ones as
+    {task, id, prompt, reply}: the target's greedy replies to the first EVAL_PROMPTS of each task."""
+    from omnidraft_mlx.learn.adapt import asked, task_corpus
+    from omnidraft_mlx.prompts import encode_prompt
+    from omnidraft_mlx.tasks import load_task
+
+    train = []
+    for sample in task_corpus(TRAIN_TASKS, "adapt"):
+        prompt = encode_prompt(tokenizer, asked(sample.messages))
+        reference = sample.messages[-1]["content"] if len(sample.messages) > 1 else None
+        reply = list(tokenizer.encode(reference, add_special_tokens=False))[:MAX_REPLY] if reference else None
+        train.append(["reference" if reference else "own", prompt, reply])
+    own = [i for i, c in enumerate(train) if c[2] is None]
+    print(f"generating the target's replies to {len(own)} adaptation prompts without a reference", flush=True)
+    for i, reply in zip(own, greedy_replies(target, tokenizer, [train[i][1] for i in own])):
+        train[i][2] = reply
+    heldout = []
+    for task in EVAL_TASKS:
+        prompts = load_task(task, "heldout")[:EVAL_PROMPTS]
+        ids = [encode_prompt(tokenizer, p.messages()) for p in prompts]
+        print(f"generating the target's greedy replies to {len(ids)} held-out {task} prompts", flush=True)
+        heldout += [
+            {"task": task, "id": p.id, "prompt": i, "reply": r}
+            for p, i, r in zip(prompts, ids, greedy_replies(target, tokenizer, ids))
+        ]
+    return [tuple(c) for c in train], heldout
+
+
+# --- heads -----------------------------------------------------------------------
+
+
+class FeatureHead(nn.Module):
+    """[norm(h); norm(emb(x))] -> hidden size -> a residual MLP -> the draft vocabulary's logits,
+    and the state it made (fed back for the next position)."""
+
+    def __init__(self, dims: int, out_rows: mx.array):
+        super().__init__()
+        self.norm_h, self.norm_e = nn.RMSNorm(dims), nn.RMSNorm(dims)
+        self.fuse = nn.Linear(2 * dims, dims, bias=False)
+        self.norm_u = nn.RMSNorm(dims)
+        self.up = nn.Linear(dims, 2 * dims, bias=False)
+        self.down = nn.Linear(2 * dims, dims, bias=False)
+        self.norm_out = nn.RMSNorm(dims)
+        self.out = nn.Linear(dims, out_rows.shape[0], bias=False)
+        self.out.weight = out_rows
+
+    def __call__(self, h: mx.array, e: mx.array) -> tuple[mx.array, mx.array]:
+        u = self.fuse(mx.concatenate([self.norm_h(h), self.norm_e(e)], axis=-1))
+        state = u + self.down(nn.silu(self.up(self.norm_u(u))))
+        return state, self.out(self.norm_out(state))
+
+
+def draft_vocabulary(rec: Recording, size: int) -> np.ndarray:
+    """The target's most frequent greedy tokens in the recording, most frequent first."""
+    ids, counts = np.unique(rec.labels, return_counts=True)
+    return ids[np.argsort(-counts, kind="stable")][:size]
+
+
+def chain_examples(rec: Recording, depth: int) -> tuple[np.ndarray, ...]:
+    """For every reply position j: the tokens fed at depths 1..depth (the reply's j, j+1, ...), the
+    target tokens wanted there (labels j+1, j+2, ...), and whether each is known: the position
+    exists and every token fed after the first is the target's own choice (in an accepted chain the
+    head is fed the target's tokens; where a reference left them, the target's next one is unknown)."""
+    fed, wanted, known = [], [], []
+    for r in range(len(rec.tasks)):
+        tokens = rec.tokens[rec.offsets[r] : rec.offsets[r + 1]]
+        labels = rec.labels[rec.label_offsets[r] : rec.label_offsets[r + 1]]
+        n = len(tokens)
+        own = tokens == labels[:n]  # token j is what the target would have written there
+        pad_t = np.concatenate([tokens, np.zeros(depth, np.int32)])
+        pad_l = np.concatenate([labels, np.zeros(depth, np.int32)])
+        pad_own = np.concatenate([own, np.zeros(depth, bool)])
+        j = np.arange(n)[:, None]
+        m = np.arange(depth)[None, :]
+        fed.append(pad_t[j + m])
+        wanted.append(pad_l[j + m + 1])
+        ok = (j + m + 1) <= n
+        ok[:, 1:] &= np.cumprod(pad_own[j + m[:, 1:]], axis=1).astype(bool)
+        known.append(ok)
+    return np.concatenate(fed), np.concatenate(wanted), np.concatenate(known)
+
+
+def train_head(
+    head: FeatureHead, embed, rec: Recording, to_draft: np.ndarray, steps: int, lr: float = 1e-3
+) -> list[float]:
+    """Cross-entropy to the target's greedy tokens at depths 1..DEPTH_TRAINED, each depth fed the
+    state the head made at the one before. Tokens outside the draft vocabulary are not learned."""
+    fed, wanted, known = chain_examples(rec, DEPTH_TRAINED)
+    wanted_draft = to_draft[wanted]
+    known &= wanted_draft >= 0
+    hidden = rec.hidden
+    opt = optim.Adam(
+        learning_rate=optim.join_schedules([optim.linear_schedule(0, lr, 100), optim.cosine_decay(lr, steps)], [100])
+    )
+    rng = np.random.default_rng(0)
+
+    def loss_fn(model, h, fed_ids, want, mask):
+        total, weight = mx.array(0.0), mask.sum() + 1e-6
+        for d in range(DEPTH_TRAINED):
+            h, out = model(h, embed(fed_ids[:, d]))
+            ce = nn.losses.cross_entropy(out, mx.maximum(want[:, d], 0), reduction="none")
+            total = total + (ce * mask[:, d]).sum()
+        return total / weight
+
+    step = nn.value_and_grad(head, loss_fn)
+    losses = []
+    for s in range(steps):
+        pick = rng.integers(0, len(fed), BATCH)
+        loss, grads = step(
+            head,
+            mx.array(hidden[pick].astype(np.float32)),
+            mx.array(fed[pick]),
+            mx.array(wanted_draft[pick]),
+            mx.array(known[pick].astype(np.float32)),
+        )
+        opt.update(head, grads)
+        mx.eval(head.parameters(), opt.state, loss)
+        losses.append(float(loss))
+        if (s + 1) % 200 == 0:
+            print(f"    step {s + 1}/{steps}: loss {np.mean(losses[-200:]):.3f}", flush=True)
+    return losses
+
+
+def head_chains(head: FeatureHead, embed, hidden: np.ndarray, tokens: np.ndarray, draft_ids: np.ndarray) -> np.ndarray:
+    """From every position of a reply, the head's chain of MAX_CHAIN guesses (target ids), each
+    fed its own guess and state."""
+    h, x, guesses = mx.array(hidden.astype(np.float32)), mx.array(tokens), []
+    to_target = mx.array(draft_ids)
+    for _ in range(MAX_CHAIN):
+        h, out = head(h, embed(x))
+        x = to_target[mx.argmax(out, axis=-1)]
+        guesses.append(x)
+    return np.array(mx.stack(guesses, axis=1))
+
+
+def table_chains(table: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    guesses, x = [], tokens
+    for _ in range(MAX_CHAIN):
+        x = table[x]
+        guesses.append(x)
+    return np.stack(guesses, axis=1)
+
+
+def next_token_table(rec: Recording, vocab: int) -> np.ndarray:
+    """The target's most frequent greedy token after each token (the token itself where never seen)."""
+    fed, wanted, known = chain_examples(rec, 1)
+    table = np.arange(vocab)
+    pairs = np.stack([fed[known[:, 0], 0], wanted[known[:, 0], 0]], axis=1)
+    uniq, counts = np.unique(pairs, axis=0, return_counts=True)
+    order = np.lexsort((-counts, uniq[:, 0]))
+    uniq = uniq[order]
+    first = np.ones(len(uniq), bool)
+    first[1:] = uniq[1:, 0] != uniq[:-1, 0]
+    table[uniq[first, 0]] = uniq[first, 1]
+    return table
+
+
+def kept_runs(guesses: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """At each position j, how many of the chain's guesses the target keeps (guess d wants label j+d)."""
+    n = len(guesses)
+    pad = np.concatenate([labels, np.full(MAX_CHAIN, -1)])
+    wanted = pad[np.arange(n)[:, None] + np.arange(1, MAX_CHAIN + 1)[None, :]]
+    return np.cumprod(guesses == wanted, axis=1).sum(axis=1)
+
+
+def rounds(runs: np.ndarray, k: int) -> int:
+    """Rounds of greedy speculative decoding with chains of k to write the reply: a round at
+    position j keeps min(run, k) drafted tokens and the target's own."""
+    j, n, count = 0, len(runs), 0
+    while j < n:
+        j += min(int(runs[j]), k) + 1
+        count += 1
+    return count
+
+
+def task_runs(rec: Recording, chains: list[np.ndarray]) -> dict[str, dict]:
+    """Per task: the kept runs of each reply's chains and the acceptance at each depth."""
+    runs: dict[str, list[np.ndarray]] = {}
+    for task, chain, (_, _, labels) in zip(rec.tasks, chains, rec.of_all()):
+        runs.setdefault(task, []).append(kept_runs(chain, labels))
+    return {task: {"acceptance": acceptance(r), "runs": [x.tolist() for x in r]} for task, r in runs.items()}
+
+
+def acceptance(runs: list[np.ndarray]) -> list[float]:
+    """Share of the d-th guess kept given the ones before were, d = 1..MAX_CHAIN."""
+    every = np.concatenate(runs)
+    return [float((every >= d).sum() / max(1, (every >= d - 1).sum())) for d in range(1, MAX_CHAIN + 1)]
+
+
+def replay(runs: list[np.ndarray], verify_s: dict[int, float], step_s: float) -> list[dict]:
+    rows = []
+    for k in range(1, MAX_CHAIN + 1):
+        ratios, per_round = [], []
+        for run in runs:
+            n = rounds(run, k)
+            per_round.append(len(run) / n)
+            ratios.append((len(run) / n) * verify_s[0] / (verify_s[k] + k * step_s))
+        rows.append(
+            {
+                "k": k,
+                "tokens_per_round": float(np.mean(per_round)),
+                "speedup_median": float(np.median(ratios)),
+                "speedup_min": float(min(ratios)),
+                "speedup_max": float(max(ratios)),
+            }
+        )
+    return rows
+
+
+# --- prices ----------------------------------------------------------------------
+
+
+def median_s(fn, repeats: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def prices(target, draft, head: FeatureHead, embed, dims: int) -> dict:
+    from omnidraft_mlx.decode.kvcache import KVSlot, trim_cache
+
+    verify = {}
+    slot = KVSlot.fresh(target)
+    mx.eval(slot.extend(target, list(range(100, 100 + CACHED))))
+    for k in range(MAX_CHAIN + 1):
+        x = mx.array([list(range(1000, 1001 + k))])
+
+        def forward(x=x):
+            mx.eval(target(x, cache=slot.cache).argmax(axis=-1))
+            trim_cache(slot.cache, x.shape[1])
+
+        verify[k] = median_s(forward, 7)
+    dslot = KVSlot.fresh(draft)
+    mx.eval(dslot.extend(draft, list(range(100, 100 + CACHED))))
+
+    def draft_step():
+        mx.eval(draft(mx.array([[1000]]), cache=dslot.cache).argmax(axis=-1))
+        trim_cache(dslot.cache, 1)
+
+    h, x = mx.random.normal((1, dims)), mx.array([1000])
+    mx.eval(h)
+
+    def head_step():
+        state, out = head(h, embed(x))
+        mx.eval(state, out.argmax(axis=-1))
+
+    return {"verify_s": verify, "drafter_step_s": median_s(draft_step, 30), "head_step_s": median_s(head_step, 50)}
+
+
+# --- the run -----------------------------------------------------------------------
+
+
+def drafter_runs(pair, heldout: list[dict]) -> dict[str, list[np.ndarray]]:
+    """The drafter's kept runs on the held-out replies, in its own tokens (tree_ceiling.reply_ranks)."""
+    from omnidraft_mlx.bench.tree_ceiling import reply_ranks
+    from omnidraft_mlx.tasks import load_task
+
+    messages = {p.id: p.messages() for task in EVAL_TASKS for p in load_task(task, "heldout")}
+    runs: dict[str, list[np.ndarray]] = {}
+    for c in heldout:
+        hit = reply_ranks(pair, messages[c["id"]], c["reply"]) == 0
+        padded = np.concatenate([hit, np.zeros(MAX_CHAIN, bool)])
+        window = padded[np.arange(len(hit))[:, None] + np.arange(MAX_CHAIN)[None, :]]
+        runs.setdefault(c["task"], []).append(np.cumprod(window, axis=1).sum(axis=1))
+    return runs
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--draft", default="smollm2-135m")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--steps", type=int, nargs=3, default=(600, 1200, 2400), help="training steps for each N")
+    ap.add_argument("--phase", choices=("all", "accept", "price"), default="all", help="price: alone, after accept")
+    args = ap.parse_args(argv)
+    work = args.work or Path("/tmp/head-ceiling") / args.target
+    work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from omnidraft_mlx.loading import open_pair
+    from omnidraft_mlx.models.pull import CATALOG_RESOLVER
+
+    pair = open_pair(args.draft, args.target, resolver=CATALOG_RESOLVER, profile=False, history=False, costs=False).pair
+    accepted = work / "acceptance.json"
+    if args.phase != "price":
+        result = accept(pair, work, args.steps, {"target": args.target, "draft": args.draft})
+        accepted.write_text(json.dumps(result))
+    if args.phase != "accept":
+        price_and_write(json.loads(accepted.read_text()), pair, args.out)
+
+
+def accept(pair, work: Path, steps_for: list[int], names: dict) -> dict:
+    """Record, train the heads on each N, and keep each one's chains on the held-out replies."""
+    target, tok = pair.target, pair.target_tok
+    train_path, heldout_path, replies_path = work / "train.npz", work / "heldout.npz", work / "heldout.json"
+    if not train_path.exists():
+        train, heldout = conversations(target, tok)
+        replies_path.write_text(json.dumps(heldout))
+        print(f"recording {len(heldout)} held-out replies", flush=True)
+        record(target, [(c["task"], c["prompt"], c["reply"]) for c in heldout]).save(heldout_path)
+        print(f"recording {max(SIZES)} training replies", flush=True)
+        record(target, train[: max(SIZES)]).save(train_path)
+    train_all, heldout = Recording.load(train_path), Recording.load(heldout_path)
+
+    dims = train_all.hidden.shape[1]
+    embed = next(m for _, m in target.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)))
+    lm_head = target.lm_head.weight if hasattr(target, "lm_head") else embed.weight
+    vocab = lm_head.shape[0]
+
+    result = {
+        **names,
+        "train_tasks": TRAIN_TASKS,
+        "eval_prompts": EVAL_PROMPTS,
+        "max_reply": MAX_REPLY,
+        "draft_vocab": DRAFT_VOCAB,
+        "heads": [],
+    }
+    for n, steps in zip(SIZES, steps_for):
+        rec = train_all.replies(n)
+        draft_ids = draft_vocabulary(rec, DRAFT_VOCAB)
+        to_draft = np.full(vocab, -1, np.int64)
+        to_draft[draft_ids] = np.arange(len(draft_ids))
+        covered = float(np.mean(to_draft[heldout.labels] >= 0))
+        table = next_token_table(rec, vocab)
+        print(f"N={n}: {len(rec.tokens)} positions; training the mlp head for {steps} steps", flush=True)
+        head = FeatureHead(dims, lm_head[mx.array(draft_ids)].astype(mx.float32))
+        start = time.monotonic()
+        losses = train_head(head, embed, rec, to_draft, steps)
+        seconds = time.monotonic() - start
+        tables = [table_chains(table, t) for _, t, _ in heldout.of_all()]
+        heads = [head_chains(head, embed, h, t, draft_ids) for h, t, _ in heldout.of_all()]
+        for name, chains, extra in (
+            ("table", tables, {}),
+            ("mlp", heads, {"vocab_coverage": covered, "train_s": seconds, "loss": float(np.mean(losses[-100:]))}),
+        ):
+            per_task = task_runs(heldout, chains)
+            result["heads"].append(
+                {"head": name, "replies": n, "positions": int(len(rec.tokens)), **extra, "tasks": per_task}
+            )
+            print(
+                f"  {name}: first-token acceptance "
+                + ", ".join(f"{t} {v['acceptance'][0]:.3f}" for t, v in per_task.items()),
+                flush=True,
+            )
+    print("the drafter on the same replies", flush=True)
+    result["drafter"] = {
+        task: {"acceptance": acceptance(runs), "runs": [r.tolist() for r in runs]}
+        for task, runs in drafter_runs(pair, json.loads(replies_path.read_text())).items()
+    }
+    return result
+
+
+def price_and_write(result: dict, pair, out: Path) -> None:
+    """Price the rounds (alone: the timings are the result), replay every reply, write the record."""
+    print("pricing (alone)", flush=True)
+    embed = next(m for _, m in pair.target.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)))
+    dims = embed.weight.shape[1]
+    head = FeatureHead(dims, mx.random.normal((result["draft_vocab"], dims)) * 0.02)  # the shape is what costs
+    price = prices(pair.target, pair.draft, head, embed, dims)
+    result["prices"] = price
+    for entry in result["heads"]:
+        step = price["head_step_s"] if entry["head"] == "mlp" else 0.0
+        for v in entry["tasks"].values():
+            v["replay"] = replay([np.array(r) for r in v["runs"]], price["verify_s"], step)
+    for v in result["drafter"].values():
+        v["replay"] = replay([np.array(r) for r in v["runs"]], price["verify_s"], price["drafter_step_s"])
+    (out / "ceiling.json").write_text(json.dumps(result, indent=1))
+    print_summary(result)
+    plot(result, out / "ceiling.png")
+
+
+def best(v: dict) -> dict:
+    return max(v["replay"], key=lambda r: r["speedup_median"])
+
+
+def print_summary(result: dict) -> None:
+    p = result["prices"]
+    print(
+        f"prices: target forward {1000 * p['verify_s'][0]:.1f} ms "
+        f"(1+{MAX_CHAIN} tokens {1000 * p['verify_s'][MAX_CHAIN]:.1f} ms), "
+        f"head step {1000 * p['head_step_s']:.2f} ms ({p['head_step_s'] / p['verify_s'][0]:.3f}), "
+        f"drafter step {1000 * p['drafter_step_s']:.1f} ms ({p['drafter_step_s'] / p['verify_s'][0]:.3f})"
+    )
+    rows = [(f"{e['head']} N={e['replies']}", e["tasks"]) for e in result["heads"]] + [("drafter", result["drafter"])]
+    for name, tasks in rows:
+        cells = []
+        for task, v in tasks.items():
+            b = best(v)
+            a = v["acceptance"]
+            cells.append(f"{task} {a[0]:.2f}/{a[1]:.2f}/{a[2]:.2f} k={b['k']} {b['speedup_median']:.2f}x")
+        print(f"{name:14s} " + " | ".join(cells))
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(result["drafter"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.6), sharey=True)
+    for ax, task in zip(axes, tasks):
+        series = [(f"{e['head']} N={e['replies']}", e["tasks"][task]) for e in result["heads"] if e["head"] == "mlp"]
+        series += [("table N=1000", next(e["tasks"][task] for e in result["heads"][::-1] if e["head"] == "table"))]
+        series += [("drafter", result["drafter"][task])]
+        for name, v in series:
+            ax.plot([r["k"] for r in v["replay"]], [r["speedup_median"] for r in v["replay"]], marker="o", label=name)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(task)
+        ax.set_xlabel("chain length k")
+    axes[0].set_ylabel("speedup ceiling (median per reply)")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(f"draft heads on {result['target']}: held-out greedy replies, priced on this CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
