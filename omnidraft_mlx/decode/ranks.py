@@ -29,7 +29,6 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from omnidraft_mlx.anatomy import family
 from omnidraft_mlx.decode.drafts import Draft
 from omnidraft_mlx.decode.scheduler import Round
 from omnidraft_mlx.decode.tree import TokenTree
@@ -78,8 +77,9 @@ def shard_target(model, group: mx.distributed.Group, prefer: str = "tensor") -> 
     ways = {"tensor": hasattr(model, "shard"), "pipeline": hasattr(getattr(model, "model", None), "pipeline")}
     how = prefer if ways[prefer] else next((way for way, has in ways.items() if has), None)
     if how is None:
+        family = type(model).__module__.rsplit(".", 1)[-1]  # mlx-lm's module: no forward (anatomy runs one)
         raise OmniDraftError(
-            f"mlx-lm cannot split a {family(model)} model over {group.size()} ranks (no tensor or pipeline "
+            f"mlx-lm cannot split a {family} model over {group.size()} ranks (no tensor or pipeline "
             "sharding for the family): run it in one process, without mlx.launch"
         )
     model.shard(group) if how == "tensor" else model.model.pipeline(group)

@@ -1,0 +1,100 @@
+"""`omnidraft generate` with the target split over two ranks (`mlx.launch -n 2 --backend ring`,
+over loopback; decode/ranks.py): the pair's greedy output equals plain decoding of the same
+split target and plain decoding in one process, tensor parallel (a tiny llama) and as a
+pipeline (a tiny qwen3_next: recurrent layers on both stages); rank 0 alone prints."""
+
+import dataclasses
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import mlx.core as mx
+from architectures import _perturb, _sharpen, config
+from mlx.utils import tree_flatten
+from test_distributed import LAUNCH, OMNIDRAFT, free_ports
+from tiny_models import corpus, train_tokenizer, write_model
+
+PROMPT = "def add_3(x):"
+
+
+def generate(home, ranks: int, *args) -> subprocess.CompletedProcess:
+    """`omnidraft generate` on the prompt (greedy, no chat template, no profile), on `ranks` ranks."""
+    cmd = [OMNIDRAFT, "generate", PROMPT, "--raw", "--no-profile", "--max-tokens", "40", *args]
+    if ranks > 1:
+        cmd = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)), "--", *cmd]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMNIDRAFT_HOME": str(home)}
+    )
+
+
+def replies(home, draft, target, *args) -> dict[str, subprocess.CompletedProcess]:
+    """The pair's reply on two ranks, and the target's plain reply on two ranks and on one."""
+    runs = {
+        "pair, 2 ranks": generate(home, 2, "--draft", str(draft), "--target", str(target), *args),
+        "plain, 2 ranks": generate(home, 2, "--model", str(target), *args),
+        "plain, 1 rank": generate(home, 1, "--model", str(target)),
+    }
+    for name, run in runs.items():
+        assert run.returncode == 0, f"{name}: {run.stderr}"
+    return runs
+
+
+def acceptance(run: subprocess.CompletedProcess) -> float:
+    return float(re.search(r"acceptance ([\d.]+)", run.stderr)[1])
+
+
+def test_tensor_split_target_decodes_as_one_process(tmp_path, tiny_dirs):
+    runs = replies(tmp_path, tiny_dirs["draft"], tiny_dirs["target"], "--shard", "tensor")
+    want = runs["plain, 1 rank"].stdout
+    assert len(want) > 40
+    # Rank 1 prints nothing: the reply comes once, and one statistics line.
+    assert {name: run.stdout for name, run in runs.items()} == dict.fromkeys(runs, want)
+    assert runs["pair, 2 ranks"].stderr.count("acceptance") == 1
+    assert 0 < acceptance(runs["pair, 2 ranks"]) < 1  # drafts kept and drafts rolled back
+
+
+def write_family(out, tokenizer_dir, family: str, layers: int, noise: float = 0.0):
+    """A tiny random model of an mlx-lm family (tests/architectures.py's sizes) with the tiny
+    target's tokenizer, saved as a model directory; noise: its weights perturbed (a drafter)."""
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    tiny = json.loads((tokenizer_dir / "config.json").read_text())
+    cfg = dict(
+        config(family), num_hidden_layers=layers, vocab_size=tiny["vocab_size"], eos_token_id=tiny["eos_token_id"]
+    )
+    mod = importlib.import_module(f"mlx_lm.models.{family}")
+    known = {f.name for f in dataclasses.fields(mod.ModelArgs)}
+    mx.random.seed(0)
+    model = mod.Model(mod.ModelArgs.from_dict({k: v for k, v in cfg.items() if k in known}))
+    model.update(_sharpen(model.parameters()))  # peaked logits: greedy near-ties are rare
+    if noise:
+        mx.random.seed(1)
+        model.update(_perturb(model.parameters(), noise))
+    (out / "config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return out
+
+
+def test_pipeline_split_hybrid_target_decodes_as_one_process(tmp_path, tiny_dirs):
+    # Four layers, linear attention and full attention alternating: each stage holds both kinds.
+    target = write_family(tmp_path / "target", tiny_dirs["target"], "qwen3_next", layers=4)
+    draft = write_family(tmp_path / "draft", tiny_dirs["target"], "qwen3_next", layers=4, noise=0.01)
+    runs = replies(tmp_path, draft, target, "--shard", "pipeline", "--no-guard")  # always drafting
+    want = runs["plain, 1 rank"].stdout
+    assert {name: run.stdout for name, run in runs.items()} == dict.fromkeys(runs, want)
+    assert 0 < acceptance(runs["pair, 2 ranks"]) < 1  # recurrent states rolled back past rejected drafts
+
+
+def test_a_family_without_sharding_is_refused_in_one_line(tmp_path):
+    gemma = write_model(tmp_path / "gemma", train_tokenizer(corpus("target"), 600), 64, 3, seed=0, window=8)
+    run = generate(tmp_path, 2, "--model", str(gemma))
+    # Each rank says it in one line (the one that exits first makes mlx.launch stop the other).
+    lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert lines and set(lines) == {
+        "error: mlx-lm cannot split a gemma3_text model over 2 ranks (no tensor or pipeline sharding for the "
+        "family): run it in one process, without mlx.launch"
+    }
