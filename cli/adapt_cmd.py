@@ -112,7 +112,7 @@ def adapt(
     Ctrl-C or SIGTERM stops it once the update under way is saved; the same command again goes on from there."""
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import err_console
-    from omnidraft_mlx.learn.adapt import Budget, check_mode
+    from omnidraft_mlx.learn.adapt import STOPPED, Budget, check_mode
     from omnidraft_mlx.learn.distill import DistillConfig
     from omnidraft_mlx.learn.distributed import world
 
@@ -138,15 +138,16 @@ def adapt(
         else None
     )
     stop = threading.Event()
-    with _stop_on_signals(stop, lead):
+    with _stop_on_signals(stop, group):
         learner = _open_learner(draft, target, cfg, interval, raw, draft_policy, group, lead, history=mode == "target")
         _resume(learner, key, len(samples), group, lead)
         before = None if stop.is_set() else _evaluate(learner.pair, held, k, eval_tokens, "before", lead)
         run = _Run(learner, mode, group, lead, len(samples), max_prompts)
         budget = Budget(minutes or None, max_prompts, stop)  # --minutes 0: no time limit
         run.learn(samples, budget, k, max_tokens)
-        why = None if learner.position >= len(samples) else budget.why_spent(run.done)  # the lead's, as it decided
-        after = None if stop.is_set() else _evaluate(learner.pair, held, k, eval_tokens, "after", lead)
+        # Why it stopped, on the lead: its own verdict, else another rank's stop; None: the corpus ended.
+        why = None if learner.position >= len(samples) else budget.why_spent(run.done) or STOPPED
+        after = None if why == STOPPED else _evaluate(learner.pair, held, k, eval_tokens, "after", lead)
     if lead:
         run.summary(why)
         _report(learner, len(samples), key, before, after, f"{len(held)} prompts, {eval_tokens} tokens, greedy, k={k}")
@@ -184,22 +185,23 @@ def _plan(mode: str, key: str, n_samples: int, minutes: float, max_prompts: int 
 
 
 @contextmanager
-def _stop_on_signals(stop: threading.Event, lead: bool):
+def _stop_on_signals(stop: threading.Event, group):
     """Ctrl-C (SIGINT) and SIGTERM set `stop`: nothing new starts, the update under way finishes and is
     saved. A second one stops at once (KeyboardInterrupt; what was learned since the last save is lost).
-    Under mlx.launch every rank holds them; rank 0's `stop` decides (Budget.spent_on_lead)."""
+    Under mlx.launch a stop asked of any rank stops them all after the same update (Budget.spent_on_lead)."""
     from omnidraft_mlx.cli.main import err_console
+
+    where = f"rank {group.rank()}: " if group.size() > 1 else ""
 
     def on_signal(signum, frame):
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
-        if lead:
-            err_console.print(
-                f"{signal.Signals(signum).name}: stopping on request once the update under way is saved "
-                "(a second Ctrl-C or SIGTERM stops at once, losing it)",
-                soft_wrap=True,
-            )
+        err_console.print(
+            f"{where}{signal.Signals(signum).name}: stopping on request once the update under way is saved "
+            "(a second Ctrl-C or SIGTERM stops at once, losing it)",
+            soft_wrap=True,
+        )
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -227,3 +227,31 @@ def test_modes_other_than_target_are_refused_on_several_ranks(tmp_path, tiny_dir
         in " ".join(out.stderr.split())
     ), out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "profiles").exists()
+
+
+def test_a_signal_to_either_rank_stops_both_after_the_same_update_saved(tmp_path, tiny_dirs, corpus):
+    # Ctrl-C in a terminal reaches every rank; a stop asked of one rank alone (here rank 1's SIGTERM) stops them all.
+    launcher = subprocess.Popen(
+        adapt_cmd(corpus, tiny_dirs, 2, "--interval", "2", "--minutes", "0"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMNIDRAFT_HOME": str(tmp_path)},
+    )
+    try:
+        for line in launcher.stderr:
+            if "prompts/min" in line:
+                break
+        else:
+            pytest.fail(f"no update reported (exit {launcher.wait()})")
+        os.kill(rank_pids(launcher.pid)[1], signal.SIGTERM)
+        stdout, stderr = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert "exited with code" not in stderr and "was killed" not in stderr, stderr  # both ranks exited 0
+    assert "rank 1: SIGTERM: stopping on request once the update under way is saved" in stderr
+    assert stdout.count("stopped on request: learned from") == 1 and "on 2 ranks" in stdout, stdout
+    history = json.loads((profile_path(tmp_path) / "manifest.json").read_text())["history"]
+    position = history[-1]["position"]
+    assert [h["position"] for h in history] == list(range(2, position + 1, 2)) and position < len(PROMPTS)
+    assert f"to go on from item {position + 1} of {len(PROMPTS)} (under the same mlx.launch" in stdout

@@ -360,6 +360,9 @@ def open_learner(
 # --- the two loops ---------------------------------------------------------------
 
 
+STOPPED = "stopped on request"  # Budget.why_spent once `stop` is set
+
+
 @dataclass
 class Budget:
     """When a loop starts nothing new: after `minutes` or `max_prompts` items (None: no bound),
@@ -373,7 +376,7 @@ class Budget:
     def why_spent(self, done: int) -> str | None:
         """Why nothing new is to start after `done` items, or None while something may."""
         if self.stop.is_set():
-            return "stopped on request"
+            return STOPPED
         if self.max_prompts is not None and done >= self.max_prompts:
             return f"{self.max_prompts} items are done"
         if self.minutes is not None and time.monotonic() - self.start >= 60 * self.minutes:
@@ -384,8 +387,10 @@ class Budget:
         return self.why_spent(done) is not None
 
     def spent_on_lead(self, done: int, group) -> bool:
-        """Rank 0's verdict, on every rank (their clocks differ; all must stop together)."""
-        return bool(share_tree(mx.array(int(self.spent(done))), group).item())
+        """Rank 0's verdict, or a stop asked of any rank, on every rank (their clocks differ; all
+        must stop together)."""
+        mine = self.spent(done) if group.rank() == 0 else self.stop.is_set()
+        return all_sum(mx.array(int(mine)), group).item() > 0
 
 
 @dataclass
