@@ -195,7 +195,10 @@ def _stop_on_signals(stop: threading.Event, group):
 
     def on_signal(signum, frame):
         if stop.is_set():
-            raise KeyboardInterrupt
+            err_console.print(
+                f"{where}{signal.Signals(signum).name} again: stopping at once, the update under way lost"
+            )
+            raise KeyboardInterrupt  # exit 130
         stop.set()
         err_console.print(
             f"{where}{signal.Signals(signum).name}: stopping on request once the update under way is saved "

@@ -539,3 +539,30 @@ def test_a_signal_stops_adapt_once_the_update_under_way_is_saved(tmp_path, tiny_
     manifest = json.loads(next((tmp_path / "profiles").glob("*/manifest.json")).read_text())
     assert list(manifest["corpus"].values()) == [position]  # the profile holds where it stopped
     assert manifest["history"][-1]["position"] == position and len(manifest["history"]) == int(learned[2])
+
+
+def test_a_second_ctrl_c_stops_adapt_at_once_saying_so(tmp_path, tiny_dirs):
+    # Steps of 32 replies (seconds each on the tiny pair): both signals land in the same step.
+    args = [*long_run(tmp_path, tiny_dirs), "--minutes", "0", "--interval", "32", "--max-tokens", "64", "--eval", "0"]
+    child = subprocess.Popen(
+        [sys.executable, "-m", "omnidraft_mlx.cli.main", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMNIDRAFT_HOME": str(tmp_path)},
+    )
+    try:
+        for line in child.stderr:
+            if "prompts/min" in line:  # the first update saved, the second begun
+                time.sleep(0.5)
+                child.send_signal(signal.SIGINT)
+            if "stopping on request" in line:
+                child.send_signal(signal.SIGINT)
+                break
+        stdout, rest = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 130 and "SIGINT again: stopping at once, the update under way lost" in rest, rest
+    assert "learned from" not in stdout
+    manifest = json.loads(next((tmp_path / "profiles").glob("*/manifest.json")).read_text())
+    assert list(manifest["corpus"].values()) == [32] and len(manifest["history"]) == 1  # the first update, whole
