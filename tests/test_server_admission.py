@@ -2,8 +2,10 @@
 The real server process on the tiny pair over real HTTP, slowed where a test needs time by failpoints
 aimed at single requests: a full queue and a client past its share get 429 with Retry-After, too
 many connections 503, the requests waiting at shutdown 503; a client that hangs up on a whole reply
-is cancelled within a round; short prompts are not made to wait behind a long prefill."""
+is cancelled within a round; short prompts are not made to wait behind a long prefill (over HTTP, and
+in the engine's own steps: what it feeds, whom it admits)."""
 
+import asyncio
 import json
 import socket
 import threading
@@ -17,8 +19,10 @@ from test_server import chat_greedy, idle, start
 from omnidraft_mlx.decode.speculative import SpecConfig
 from omnidraft_mlx.prompts import encode_prompt
 from omnidraft_mlx.serve.admission import CREDIT_PER_S, Waiting, prompt_left, turn
+from omnidraft_mlx.serve.config import ServeConfig
+from omnidraft_mlx.serve.engine import PAUSE_S, Engine
 from omnidraft_mlx.serve.jobs import Job
-from omnidraft_mlx.serve.schema import ApiError
+from omnidraft_mlx.serve.schema import ApiError, ChatRequest
 
 
 def job(tokens: int, arrived: float, client: str = "address 127.0.0.1") -> Job:
@@ -211,3 +215,51 @@ def test_short_prompts_are_not_made_to_wait_behind_a_long_prefill(tiny_dirs, tin
             assert text[prompt] == chat_greedy(tiny, [{"role": "user", "content": prompt}], 16)[1], prompt
     finally:
         assert srv.stop() == 0, srv.log.read_text()
+
+
+def test_a_long_prompt_is_fed_a_pause_at_a_time_and_gives_its_place_to_a_short_one(
+    tiny_dirs, tiny, tmp_path, monkeypatch
+):
+    """The engine's steps run here, one at a time (--batch 2). A long prompt alone is fed what the
+    measured rate feeds in PAUSE_S, not a whole chunk (on a slow machine, seconds in which requests
+    that arrive wait). Two short prompts arrive: the first takes the free place, the second the long
+    one's, which waits again, what it fed kept in the prompt cache. Every reply equals its request
+    decoded alone, the long one's too."""
+    monkeypatch.setenv("OMNIDRAFT_HOME", str(tmp_path))
+    cfg = ServeConfig(
+        draft=str(tiny_dirs["draft"]), target=str(tiny_dirs["target"]), batch=2, profile=False, adapt=False
+    )
+    engine, loop = Engine(cfg), asyncio.new_event_loop()
+    engine.load()
+
+    def request(text: str) -> Job:
+        messages = [{"role": "user", "content": text}]
+        return engine.jobs.prepare(messages, False, ChatRequest(messages=messages, max_tokens=16), loop)
+
+    long_text, short_texts = "print(add_3(9)) " * 60, ["def add_3(x):", "print(add_"]
+    long = request(long_text)
+    engine.submit(long)
+    engine.prefill_rate = 100.0  # prompt tokens a second, as measured on a slow machine
+    engine._step()
+    assert [p.job for p in engine.prefilling] == [long] and not engine.active
+    assert prompt_left(long) - engine.prefilling[0].left == int(100.0 * PAUSE_S)
+
+    shorts = [request(text) for text in short_texts]
+    for j in shorts:
+        engine.submit(j)
+    engine._step()
+    assert [r.job for r in engine.active] == shorts and not engine.prefilling
+    assert engine.waiting.jobs == [long]
+
+    while engine.generating or engine.queued:
+        engine._step()
+    loop.run_until_complete(asyncio.sleep(0))  # the events the engine emitted
+    done = {}
+    for j, text in [(long, long_text), *zip(shorts, short_texts)]:
+        events = [j.events.get_nowait() for _ in range(j.events.qsize())]
+        assert events[-1][0] == "done", events[-1]
+        reply = "".join(piece for kind, piece in events if kind == "text")
+        assert reply == chat_greedy(tiny, [{"role": "user", "content": text}], 16)[1], text
+        done[text] = events[-1][1]
+    assert done[long_text].cached_tokens >= int(100.0 * PAUSE_S)  # what it fed before it gave its place
+    loop.close()

@@ -7,7 +7,8 @@ not starve the others); 503 once the server is shutting down. --max-connections 
 limit_concurrency, server.py) bounds the open connections, so a flood of them cannot use up the
 process's open files.
 
-The engine admits waiting requests, and feeds the prompts it has begun, in turn() order: the
+The engine admits waiting requests, and feeds the prompts it has begun, in turn() order (with all
+--batch places taken, a waiting request whose turn comes first takes a prompt being fed's place): the
 fewest prompt tokens left to feed first (a short prompt does not wait behind other clients' long
 prefills), each request its client has decoding counting as HELD_TOKENS more (one client's flood
 does not crowd out another's turn), and every second waited as CREDIT_PER_S fewer (a long prompt
@@ -89,6 +90,11 @@ class Waiting:
         """The request whose turn() comes first (`held`: the requests each client has decoding)."""
         with self.changed:
             return min(self.jobs, key=lambda job: turn(job, prompt_left(job), now, held[job.client]), default=None)
+
+    def put_back(self, job: Job) -> None:
+        """A request the engine took out to feed, back to wait (beyond --max-queue: it had its place)."""
+        with self.changed:
+            self.jobs.append(job)
 
     def remove(self, job: Job) -> None:
         with self.changed:

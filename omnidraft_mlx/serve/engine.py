@@ -4,19 +4,21 @@ Up to --batch requests are active (or being prefilled) at once and progress a ro
 time: each plans its own draft (its scheduler and guard choose drafter, lookup or none), one
 target forward verifies every draft, and each keeps what it accepted and rolls its own caches
 back (decode.speculative.round_together: a request that fails there fails alone). Queued
-requests (admission.Waiting: bounded) are admitted between rounds, and their prompts fed:
-between two rounds of the requests under way, about PAUSE_S of prompt feeding, a long prompt
-a chunk at a time so the other streams go on meanwhile, fewest prompt tokens left first
+requests (admission.Waiting: bounded) are admitted between rounds, and their prompts fed
+about PAUSE_S at a time (between two rounds of the requests under way; with none under way,
+between two looks at the queue), a long prompt a piece at a time so the other streams go on
+meanwhile and a request that arrives meanwhile gets its turn, fewest prompt tokens left first
 (admission.turn: a short prompt does not wait behind long prefills, a flooding client's
-requests behind other clients', and a waiting request earns precedence: none is starved); a
-request whose caches at full length would not fit in --cache-bytes beside the others' (the
-prompt cache gives way to them) waits for room. Every
-request uses the server's one scheduler, so what it measured on each request serves them
-all. The engine runs in the main thread (MLX does all its work there: a process whose other
-threads ran a model aborts at exit). A request whose client went away leaves the queue, its
-prefill or its row before the next round. When no request is active and the queue is
-empty, the pair learns and saves (learn/online.py); under constant load it saves between
-two rounds too.
+requests behind other clients', and a waiting request earns precedence: none is starved).
+With every --batch place taken, a waiting request whose turn comes before a prompt being fed
+takes that one's place (it waits again, what it fed kept in the prompt cache). A request whose
+caches at full length would not fit in --cache-bytes beside the others' (the prompt cache
+gives way to them) waits for room. Every request uses the server's one scheduler, so what it
+measured on each request serves them all. The engine runs in the main thread (MLX does all its
+work there: a process whose other threads ran a model aborts at exit). A request whose client
+went away leaves the queue, its prefill or its row before the next round. When no request is
+active and the queue is empty, the pair learns and saves (learn/online.py); under constant
+load it saves between two rounds too.
 """
 
 from __future__ import annotations
@@ -158,11 +160,11 @@ class Engine:
             self.learning.between_rounds()  # under constant load, saves at most SAVE_EVERY_S apart
 
     def _prefill_budget(self) -> int:
-        """Prompt tokens to feed before the next round, new requests together: with requests under way,
-        what feeds in about PAUSE_S at the rate measured so far (so a burst of new requests or a long
-        prompt waits a round or more, and the streams under way do not stall for it); else a whole chunk."""
-        if not self.active:
-            return PREFILL_CHUNK
+        """Prompt tokens to feed before the next round and the next look at the queue, new requests
+        together: what feeds in about PAUSE_S at the rate measured so far, at most a chunk. So a burst
+        of new requests or a long prompt waits a round or more, and the streams under way do not stall
+        for it; with none under way, a request that arrives while a long prompt is fed waits about
+        PAUSE_S for its turn, not a whole chunk's time (on a slow machine, many seconds)."""
         if self.prefill_rate is None:
             return MIN_CHUNK
         return int(min(PREFILL_CHUNK, max(MIN_CHUNK, self.prefill_rate * PAUSE_S)))
@@ -198,23 +200,39 @@ class Engine:
 
     def _next(self) -> Job | Prefill | None:
         """The prompt to feed next, first in turn (admission.turn): one being fed, or the queue's
-        first if there is room for it (--batch, --cache-bytes)."""
-        now = time.monotonic()
-        held = Counter(r.job.client for r in self.active)  # requests decoding, per client
+        first if there is room for it (--cache-bytes; --batch, or else a prompt being fed whose turn
+        comes after it: _admit puts that one back in the queue)."""
+        now, held = time.monotonic(), self._held()
         options = [(turn(p.job, p.left, now, held[p.job.client]), p) for p in self.prefilling]
-        room = len(self.active) + len(self.prefilling) < self.cfg.batch
-        if room and (job := self.waiting.first(now, held)) is not None and self._fits(job):
-            options.append((turn(job, prompt_left(job), now, held[job.client]), job))
+        if (job := self.waiting.first(now, held)) is not None and self._fits(job):
+            first = turn(job, prompt_left(job), now, held[job.client])
+            if self.generating < self.cfg.batch or any(first < theirs for theirs, _ in options):
+                options.append((first, job))
         return min(options, key=lambda option: option[0])[1] if options else None
 
+    def _held(self) -> Counter[str]:
+        """The requests decoding, per client (admission.turn counts them)."""
+        return Counter(r.job.client for r in self.active)
+
     def _admit(self, job: Job) -> None:
-        """A queued job out of the queue, its caches from the prompt cache: its prompt is fed next (_prefill)."""
+        """A queued job out of the queue, its caches from the prompt cache: its prompt is fed next
+        (_prefill). With every --batch place taken, it takes that of the prompt being fed last in turn."""
         self.waiting.remove(job)
+        if self.generating >= self.cfg.batch:
+            now, held = time.monotonic(), self._held()
+            self._requeue(max(self.prefilling, key=lambda p: turn(p.job, p.left, now, held[p.job.client])))
         try:
             self.prefilling.append(self.jobs.begin(job))
         except Exception as e:
             self._fail(job, e)
         self._make_room()
+
+    def _requeue(self, prefill: Prefill) -> None:
+        """A prompt being fed back to the queue (its arrival keeps its place in line there): what it fed
+        goes to the prompt cache, where its next admission finds it."""
+        self.prefilling.remove(prefill)
+        self.jobs.prompt_cache.store(*prefill.slots, prefill.job.key_name)
+        self.waiting.put_back(prefill.job)
 
     def _prefill(self, prefill: Prefill, most: int) -> int:
         """Up to `most` more tokens of a job's prompt; with its last, the job is active; a cancelled
