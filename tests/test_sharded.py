@@ -56,15 +56,16 @@ def test_tensor_split_target_decodes_as_one_process(tmp_path, tiny_dirs):
     assert 0 < acceptance(runs["pair, 2 ranks"]) < 1  # drafts kept and drafts rolled back
 
 
-def test_sampled_reply_on_two_ranks_is_the_one_process_reply(tmp_path, tiny_dirs):
+def test_sampled_replies_on_two_ranks_are_the_one_process_replies(tmp_path, tiny_dirs):
     # The drafter alone, a fixed draft length, no guard: the drafts do not depend on measured timings, so
     # with the same seed the lead draws what one process draws (the followers' caches feed its logits).
-    pair = ["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"])]
-    args = [*pair, "--temp", "0.8", "--seed", "3", "--source", "drafter", "--policy", "fixed", "--no-guard"]
-    runs = [generate(tmp_path, ranks, *args) for ranks in (2, 1)]
-    assert all(run.returncode == 0 for run in runs), runs[0].stderr
-    assert len(runs[1].stdout) > 40 and runs[0].stdout == runs[1].stdout
-    assert 0 < acceptance(runs[0]) < 1
+    target, sampled = ["--target", str(tiny_dirs["target"])], ["--temp", "0.8", "--seed", "3"]
+    fixed = ["--draft", str(tiny_dirs["draft"]), *target, "--source", "drafter", "--policy", "fixed", "--no-guard"]
+    for args in ([*fixed, *sampled], ["--model", target[1], *sampled]):
+        runs = [generate(tmp_path, ranks, *args) for ranks in (2, 1)]
+        assert all(run.returncode == 0 for run in runs), runs[0].stderr
+        assert len(runs[1].stdout) > 40 and runs[0].stdout == runs[1].stdout
+        assert "--model" in args or 0 < acceptance(runs[0]) < 1
 
 
 def write_family(out, tokenizer_dir, family: str, layers: int, noise: float = 0.0):

@@ -10,6 +10,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
+from omnidraft_mlx.decode.ranks import ranks_of
+
 
 @dataclass
 class PlainStats:
@@ -38,7 +40,8 @@ def plain_generate(
     """Yield the target's own tokens one by one (mlx-lm's generate_step), stopping at eos.
     Given a prompt_cache, prompt_ids are what follows the tokens it holds."""
     mx.random.seed(seed)
-    sampler = make_sampler(temp, top_p if 0 < top_p < 1 else 0.0)
+    # A target split over ranks decodes the lead's draws (decode/ranks.py).
+    sampler = ranks_of(model).sampler(make_sampler(temp, top_p if 0 < top_p < 1 else 0.0))
     eos = set(tokenizer.eos_token_ids)
     stats.prompt_tokens = len(prompt_ids)
     start = time.perf_counter()

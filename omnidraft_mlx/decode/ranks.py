@@ -15,6 +15,7 @@ its boundaries (Ranks.plan, Ranks.take), each learn.distributed.broadcast_bytes 
 all_sums), besides the target forward's own collectives:
 - plan: the lead's draft as the tree to verify (tokens, parents, chain length),
 - take: the accepted path and the target's next token.
+Plain decoding (plain.py) shares each token the same way (Ranks.sampler: one all_sum).
 Every rank then verifies the same tree and keeps the same path (its KV and recurrent
 state roll back the same way). Across ranks the lead drafts chains, not trees
 (speculative.Decoding turns --tree off there): whether a rank's layers take a tree is
@@ -66,6 +67,18 @@ class Ranks:
         path, y = accept() if self.lead else ([], 0)
         sent = np.frombuffer(broadcast_bytes(np.array([y, *path], np.int32).tobytes(), self.group), np.int32)
         return sent[1:].tolist(), int(sent[0])
+
+    def sampler(self, sample: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
+        """A sampler of mlx-lm's (plain decoding: plain.py) whose draw is the lead's on every rank, one
+        all_sum a token (in the graph: no wait for it), so no near-tie or draw may part the ranks."""
+        if self.group is None:
+            return sample
+
+        def shared(logprobs: mx.array) -> mx.array:
+            token = sample(logprobs)
+            return all_sum(token if self.lead else mx.zeros_like(token), self.group)
+
+        return shared
 
 
 ALONE = Ranks()
