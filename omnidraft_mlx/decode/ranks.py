@@ -11,16 +11,17 @@ measured timings, which differ from rank to rank, and a draft's proposal
 distributions and the accept/reject draws must be one rank's for sampling to stay
 lossless, so one rank decides and the others follow. Every rank loads the drafter
 (small) for the vocabulary map; only the lead runs it. A round costs two shares at
-its boundaries (Ranks.plan, Ranks.take), each learn.distributed.broadcast_bytes (two
-all_sums), besides the target forward's own collectives:
-- plan: the lead's draft as the tree to verify (tokens, parents, chain length),
-- take: the accepted path and the target's next token.
-Plain decoding (plain.py) shares each token the same way (Ranks.sampler: one all_sum).
+its boundaries, three all_sums besides the target forward's own collectives:
+- plan: the lead's draft as the tree to verify (tokens, parents, chain length), by
+  learn.distributed.broadcast_bytes (its size, then its bytes: two all_sums),
+- take: the accepted path and the target's next token, in a buffer as long as the tree
+  (learn.distributed.share_tree: one all_sum).
 Every rank then verifies the same tree and keeps the same path (its KV and recurrent
 state roll back the same way). Across ranks the lead drafts chains, not trees
 (speculative.Decoding turns --tree off there): whether a rank's layers take a tree is
 its own (a pipeline stage's recurrent layers), and a probe run by one rank alone would
-wait forever on the others. On one rank (ALONE) both shares are the identity.
+wait forever on the others. Plain decoding (plain.py) decodes the lead's draws too
+(Ranks.sampler: one all_sum a token). On one rank (ALONE) every share is the identity.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from omnidraft_mlx.decode.drafts import Draft
 from omnidraft_mlx.decode.scheduler import Round
 from omnidraft_mlx.decode.tree import TokenTree
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.learn.distributed import all_sum, broadcast_bytes
+from omnidraft_mlx.learn.distributed import all_sum, broadcast_bytes, share_tree
 
 SHARDINGS = ("tensor", "pipeline")  # --shard: the way preferred where a family has both
 
@@ -60,13 +61,17 @@ class Ranks:
         tree = TokenTree(sent[1 : 1 + n], sent[1 + n :], sent[0])
         return Round(Draft(tree.tokens, "lead"), None, looked_up=True), tree
 
-    def take(self, accept: Callable[[], tuple[list[int], int]]) -> tuple[list[int], int]:
-        """The round's accepted path and the target's next token: the lead's accept(), on every rank."""
+    def take(self, width: int, accept: Callable[[], tuple[list[int], int]]) -> tuple[list[int], int]:
+        """The round's accepted path and the target's next token: the lead's accept(), on every rank
+        (width: the tree's nodes, the longest a path may be, so one all_sum of a size every rank knows)."""
         if self.group is None:
             return accept()
-        path, y = accept() if self.lead else ([], 0)
-        sent = np.frombuffer(broadcast_bytes(np.array([y, *path], np.int32).tobytes(), self.group), np.int32)
-        return sent[1:].tolist(), int(sent[0])
+        sent = np.zeros(width + 2, np.int32)
+        if self.lead:
+            path, y = accept()
+            sent[: len(path) + 2] = [y, len(path), *path]
+        sent = np.array(share_tree(mx.array(sent), self.group))
+        return sent[2 : 2 + sent[1]].tolist(), int(sent[0])
 
     def sampler(self, sample: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
         """A sampler of mlx-lm's (plain decoding: plain.py) whose draw is the lead's on every rank, one

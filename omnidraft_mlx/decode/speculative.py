@@ -295,7 +295,7 @@ class Decoding:
         share) -> (new target ids, which of them were drafted); the caches keep them."""
         ctx, draft, tree, stats = self.ctx, self.round.draft, self.tree, self.stats
         t1 = time.perf_counter()
-        path, self.y = self.pair.ranks.take(lambda: accept(out, tree, draft, self.cfg, ctx.rng))
+        path, self.y = self.pair.ranks.take(len(tree.tokens), lambda: accept(out, tree, draft, self.cfg, ctx.rng))
         verify_s = forward_s + time.perf_counter() - t1
         self.target.keep_path(tree, path)
         new = [*(tree.tokens[i] for i in path), self.y]
