@@ -103,7 +103,7 @@ def generate(
             f"prompt ({len(target_ids)} tokens) + --max-tokens {max_tokens} exceed {target_name}'s "
             "context: shorten the prompt or lower --max-tokens"
         )
-    drafter = None if model else _load_drafter(draft, messages, raw, cfg)
+    drafter = None if model else _load_drafter(draft, messages, raw, cfg, lead)
     printer = partial(Printer, console=console, show_draft=show_draft, quiet=quiet, shown=lead)
     if drafter:
         from omnidraft_mlx.loading import open_pair
@@ -135,13 +135,14 @@ def _load(name: str, messages: list[dict], raw: bool, shard: str | None = None) 
     return model, tok, encode_prompt(tok, messages, raw)
 
 
-def _load_drafter(draft: str, messages: list[dict], raw: bool, cfg):
-    """The drafter, as _load gives it; None, with a note, when the prompt does not fit it."""
+def _load_drafter(draft: str, messages: list[dict], raw: bool, cfg, lead: bool):
+    """The drafter, as _load gives it; None, with a note (from the lead rank), when the prompt does not fit it."""
     from omnidraft_mlx.cli.main import err_console
 
     drafter = _load(draft, messages, raw)
     if not _fits_context(drafter[0], len(drafter[2]), cfg):
-        err_console.print(f"[yellow]note:[/] the prompt is too long for the drafter {draft}: plain decoding")
+        if lead:
+            err_console.print(f"[yellow]note:[/] the prompt is too long for the drafter {draft}: plain decoding")
         return None
     return drafter
 
