@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omnidraft.serve")
 IDLE_S = 0.5  # queue empty this long: save what was learned, run a due drafter update
-PAUSE_S = 0.5  # prompt feeding between two rounds of the requests under way aims at this long
+PAUSE_S = 0.5  # prompt feeding between two rounds (none under way: two looks at the queue) aims at this long
 MIN_CHUNK = 32  # prompt tokens fed between two rounds at least (a first guess, before a rate is measured)
 SLOW_PAUSE_S = 2.0  # a pause between two rounds this long is logged, with what took it
 RELEASE_S = 60.0  # this often, memory freed since goes back to the system (release_memory)
@@ -204,9 +204,10 @@ class Engine:
         comes after it: _admit puts that one back in the queue)."""
         now, held = time.monotonic(), self._held()
         options = [(turn(p.job, p.left, now, held[p.job.client]), p) for p in self.prefilling]
-        if (job := self.waiting.first(now, held)) is not None and self._fits(job):
+        if (job := self.waiting.first(now, held)) is not None:
             first = turn(job, prompt_left(job), now, held[job.client])
-            if self.generating < self.cfg.batch or any(first < theirs for theirs, _ in options):
+            room = self.generating < self.cfg.batch or any(first < theirs for theirs, _ in options)
+            if room and self._fits(job):
                 options.append((first, job))
         return min(options, key=lambda option: option[0])[1] if options else None
 
