@@ -194,14 +194,13 @@ def _stop_on_signals(stop: threading.Event, group):
     where = f"rank {group.rank()}: " if group.size() > 1 else ""
 
     def on_signal(signum, frame):
+        name = signal.Signals(signum).name
         if stop.is_set():
-            err_console.print(
-                f"{where}{signal.Signals(signum).name} again: stopping at once, the update under way lost"
-            )
+            err_console.print(f"{where}{name} again: stopping at once; what was learned since the last save is lost")
             raise KeyboardInterrupt  # exit 130
         stop.set()
         err_console.print(
-            f"{where}{signal.Signals(signum).name}: stopping on request once the update under way is saved "
+            f"{where}{name}: stopping on request once the update under way is saved "
             "(a second Ctrl-C or SIGTERM stops at once, losing it)",
             soft_wrap=True,
         )
