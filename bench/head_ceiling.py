@@ -53,12 +53,15 @@ import numpy as np
 TRAIN_TASKS = "complete,math,chat"
 EVAL_TASKS = ("write", "complete", "math", "chat")
 SIZES = (100, 300, 1000)
+STEPS = (600, 1200, 2400)
+CHUNK = 50  # training replies recorded (and kept) together
 EVAL_PROMPTS = 10  # held-out prompts a task
 MAX_REPLY = 128  # tokens of a generated reply, and of a reference read
 MAX_CHAIN = 5
 DEPTH_TRAINED = 3
 DRAFT_VOCAB = 8192
-BATCH = 256
+BATCH = 256  # positions a training step
+WINDOW = 64  # consecutive positions of a reply a training example holds (the layer head attends within it)
 CACHED = 200  # tokens in the cache before the priced forwards
 
 
@@ -99,6 +102,17 @@ class Recording:
             )
             for r in range(len(self.tasks))
         ]
+
+    @classmethod
+    def concat(cls, parts: list[Recording]) -> Recording:
+        return cls(
+            [t for p in parts for t in p.tasks],
+            np.concatenate([p.hidden for p in parts]),
+            np.concatenate([p.tokens for p in parts]),
+            np.concatenate([p.labels for p in parts]),
+            np.cumsum([0, *(n for p in parts for n in np.diff(p.offsets))]),
+            np.cumsum([0, *(n for p in parts for n in np.diff(p.label_offsets))]),
+        )
 
     def save(self, path: Path) -> None:
         np.savez(path, tasks=np.array(self.tasks), **{k: getattr(self, k) for k in FIELDS})
@@ -142,12 +156,18 @@ def greedy_replies(target, tokenizer, prompts: list[list[int]]) -> list[list[int
     return [list(r) for r in out.token_ids]
 
 
-def conversations(target, tokenizer) -> tuple[list, list[dict]]:
-    """Training conversations as (task, prompt ids, reply ids), in adapt's order; held-out ones as
-    {task, id, prompt, reply}: the target's greedy replies to the first EVAL_PROMPTS of each task."""
+def cached_json(path: Path, make):
+    """make()'s value, kept in `path` so a second run reads it."""
+    if not path.exists():
+        path.write_text(json.dumps(make()))
+    return json.loads(path.read_text())
+
+
+def training_conversations(target, tokenizer) -> list[list]:
+    """(task, prompt ids, reply ids) in adapt's order: the reference answer where the dataset has one,
+    else the target's greedy reply."""
     from omnidraft_mlx.learn.adapt import asked, task_corpus
     from omnidraft_mlx.prompts import encode_prompt
-    from omnidraft_mlx.tasks import load_task
 
     train = []
     for sample in task_corpus(TRAIN_TASKS, "adapt"):
@@ -159,6 +179,14 @@ def conversations(target, tokenizer) -> tuple[list, list[dict]]:
     print(f"generating the target's replies to {len(own)} adaptation prompts without a reference", flush=True)
     for i, reply in zip(own, greedy_replies(target, tokenizer, [train[i][1] for i in own])):
         train[i][2] = reply
+    return train
+
+
+def heldout_conversations(target, tokenizer) -> list[dict]:
+    """{task, id, prompt, reply}: the target's greedy replies to the first EVAL_PROMPTS of each task."""
+    from omnidraft_mlx.prompts import encode_prompt
+    from omnidraft_mlx.tasks import load_task
+
     heldout = []
     for task in EVAL_TASKS:
         prompts = load_task(task, "heldout")[:EVAL_PROMPTS]
@@ -168,31 +196,97 @@ def conversations(target, tokenizer) -> tuple[list, list[dict]]:
             {"task": task, "id": p.id, "prompt": i, "reply": r}
             for p, i, r in zip(prompts, ids, greedy_replies(target, tokenizer, ids))
         ]
-    return [tuple(c) for c in train], heldout
+    return heldout
+
+
+def recorded(target, conversations: list, path: Path) -> Recording:
+    if not path.exists():
+        record(target, conversations).save(path)
+    return Recording.load(path)
 
 
 # --- heads -----------------------------------------------------------------------
 
 
-class FeatureHead(nn.Module):
-    """[norm(h); norm(emb(x))] -> hidden size -> a residual MLP -> the draft vocabulary's logits,
-    and the state it made (fed back for the next position)."""
+class MLPHead(nn.Module):
+    """[norm(h); norm(emb(x))] -> hidden size -> one residual MLP -> the draft vocabulary's logits,
+    and the state it made (fed back for the next position). Positions are independent."""
 
     def __init__(self, dims: int, out_rows: mx.array):
         super().__init__()
         self.norm_h, self.norm_e = nn.RMSNorm(dims), nn.RMSNorm(dims)
         self.fuse = nn.Linear(2 * dims, dims, bias=False)
-        self.norm_u = nn.RMSNorm(dims)
+        self.norm_m = nn.RMSNorm(dims)
         self.up = nn.Linear(dims, 2 * dims, bias=False)
         self.down = nn.Linear(2 * dims, dims, bias=False)
         self.norm_out = nn.RMSNorm(dims)
         self.out = nn.Linear(dims, out_rows.shape[0], bias=False)
         self.out.weight = out_rows
 
-    def __call__(self, h: mx.array, e: mx.array) -> tuple[mx.array, mx.array]:
-        u = self.fuse(mx.concatenate([self.norm_h(h), self.norm_e(e)], axis=-1))
-        state = u + self.down(nn.silu(self.up(self.norm_u(u))))
-        return state, self.out(self.norm_out(state))
+    def fused(self, h: mx.array, e: mx.array) -> mx.array:
+        return self.fuse(mx.concatenate([self.norm_h(h), self.norm_e(e)], axis=-1))
+
+    def finish(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        x = x + self.down(nn.silu(self.up(self.norm_m(x))))
+        return x, self.out(self.norm_out(x))
+
+    def unroll(self, h: mx.array, e: mx.array, next_embedding, depth: int) -> list[mx.array]:
+        """Logits at depths 1..depth from states h and embeddings e (batch x positions x dims);
+        next_embedding(d, logits) is what depth d+1 is fed."""
+        outs = []
+        for d in range(depth):
+            h, logits = self.finish(self.fused(h, e))
+            outs.append(logits)
+            if d + 1 < depth:
+                e = next_embedding(d + 1, logits)
+        return outs
+
+
+class LayerHead(MLPHead):
+    """EAGLE-1's head: the fused input through one pre-norm decoder layer whose causal attention sees
+    the fused inputs of the positions before (no position encoding: the target's states carry it).
+    At depth d a position's query also sees the keys its chain made at depths 2..d."""
+
+    def __init__(self, dims: int, out_rows: mx.array):
+        super().__init__(dims, out_rows)
+        self.heads = max(1, dims // 64)
+        self.norm_a = nn.RMSNorm(dims)
+        self.qkv = nn.Linear(dims, 3 * dims, bias=False)
+        self.o = nn.Linear(dims, dims, bias=False)
+
+    def _qkv(self, u: mx.array) -> list[mx.array]:
+        b, t, dims = u.shape
+        parts = mx.split(self.qkv(self.norm_a(u)), 3, axis=-1)
+        return [x.reshape(b, t, self.heads, dims // self.heads).transpose(0, 2, 1, 3) for x in parts]
+
+    def unroll(self, h: mx.array, e: mx.array, next_embedding, depth: int) -> list[mx.array]:
+        b, t, dims = h.shape
+        scale = (dims // self.heads) ** -0.5
+        causal = mx.triu(mx.full((t, t), -1e9), k=1)
+        keys, values, chain_k, chain_v, outs = None, None, [], [], []
+        for d in range(depth):
+            u = self.fused(h, e)
+            q, k, v = self._qkv(u)
+            if keys is None:  # depth 1: the real inputs, each position seeing those before it
+                keys, values = k, v
+            else:
+                chain_k.append(k)
+                chain_v.append(v)
+            scores = [(q @ keys.transpose(0, 1, 3, 2)) * scale + causal]
+            scores += [(q * ck).sum(-1, keepdims=True) * scale for ck in chain_k]
+            p = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1)
+            mixed = p[..., :t] @ values
+            for i, cv in enumerate(chain_v):
+                mixed = mixed + p[..., t + i : t + i + 1] * cv
+            x = u + self.o(mixed.transpose(0, 2, 1, 3).reshape(b, t, dims))
+            h, logits = self.finish(x)
+            outs.append(logits)
+            if d + 1 < depth:
+                e = next_embedding(d + 1, logits)
+        return outs
+
+
+HEADS = {"mlp": MLPHead, "layer": LayerHead}
 
 
 def draft_vocabulary(rec: Recording, size: int) -> np.ndarray:
@@ -225,38 +319,49 @@ def chain_examples(rec: Recording, depth: int) -> tuple[np.ndarray, ...]:
     return np.concatenate(fed), np.concatenate(wanted), np.concatenate(known)
 
 
-def train_head(
-    head: FeatureHead, embed, rec: Recording, to_draft: np.ndarray, steps: int, lr: float = 1e-3
-) -> list[float]:
+def windows(rec: Recording, width: int) -> np.ndarray:
+    """Each reply cut into windows of `width` consecutive positions (indices; -1 past a reply's end)."""
+    rows = []
+    for r in range(len(rec.tasks)):
+        idx = np.arange(rec.offsets[r], rec.offsets[r + 1])
+        for start in range(0, len(idx), width):
+            part = idx[start : start + width]
+            rows.append(np.concatenate([part, np.full(width - len(part), -1)]))
+    return np.array(rows)
+
+
+def train_head(head, embed, rec: Recording, to_draft: np.ndarray, steps: int, lr: float = 1e-3) -> list[float]:
     """Cross-entropy to the target's greedy tokens at depths 1..DEPTH_TRAINED, each depth fed the
-    state the head made at the one before. Tokens outside the draft vocabulary are not learned."""
+    state the head made at the one before and the target's token (what an accepted chain feeds it),
+    over windows of WINDOW positions. Tokens outside the draft vocabulary are not learned."""
     fed, wanted, known = chain_examples(rec, DEPTH_TRAINED)
     wanted_draft = to_draft[wanted]
     known &= wanted_draft >= 0
-    hidden = rec.hidden
+    rows = windows(rec, WINDOW)
     opt = optim.Adam(
         learning_rate=optim.join_schedules([optim.linear_schedule(0, lr, 100), optim.cosine_decay(lr, steps)], [100])
     )
     rng = np.random.default_rng(0)
 
     def loss_fn(model, h, fed_ids, want, mask):
-        total, weight = mx.array(0.0), mask.sum() + 1e-6
-        for d in range(DEPTH_TRAINED):
-            h, out = model(h, embed(fed_ids[:, d]))
-            ce = nn.losses.cross_entropy(out, mx.maximum(want[:, d], 0), reduction="none")
-            total = total + (ce * mask[:, d]).sum()
-        return total / weight
+        outs = model.unroll(h, embed(fed_ids[..., 0]), lambda d, _: embed(fed_ids[..., d]), DEPTH_TRAINED)
+        total = sum(
+            (nn.losses.cross_entropy(out, mx.maximum(want[..., d], 0), reduction="none") * mask[..., d]).sum()
+            for d, out in enumerate(outs)
+        )
+        return total / (mask.sum() + 1e-6)
 
     step = nn.value_and_grad(head, loss_fn)
     losses = []
     for s in range(steps):
-        pick = rng.integers(0, len(fed), BATCH)
+        pick = rows[rng.integers(0, len(rows), BATCH // WINDOW)]
+        real, at = pick >= 0, np.maximum(pick, 0)
         loss, grads = step(
             head,
-            mx.array(hidden[pick].astype(np.float32)),
-            mx.array(fed[pick]),
-            mx.array(wanted_draft[pick]),
-            mx.array(known[pick].astype(np.float32)),
+            mx.array(np.where(real[..., None], rec.hidden[at], 0).astype(np.float32)),
+            mx.array(fed[at]),
+            mx.array(wanted_draft[at]),
+            mx.array((known[at] & real[..., None]).astype(np.float32)),
         )
         opt.update(head, grads)
         mx.eval(head.parameters(), opt.state, loss)
@@ -266,16 +371,19 @@ def train_head(
     return losses
 
 
-def head_chains(head: FeatureHead, embed, hidden: np.ndarray, tokens: np.ndarray, draft_ids: np.ndarray) -> np.ndarray:
+def head_chains(head, embed, hidden: np.ndarray, tokens: np.ndarray, draft_ids: np.ndarray) -> np.ndarray:
     """From every position of a reply, the head's chain of MAX_CHAIN guesses (target ids), each
     fed its own guess and state."""
-    h, x, guesses = mx.array(hidden.astype(np.float32)), mx.array(tokens), []
     to_target = mx.array(draft_ids)
-    for _ in range(MAX_CHAIN):
-        h, out = head(h, embed(x))
-        x = to_target[mx.argmax(out, axis=-1)]
-        guesses.append(x)
-    return np.array(mx.stack(guesses, axis=1))
+    guesses = []
+
+    def own_guess(_, logits):
+        guesses.append(to_target[mx.argmax(logits, axis=-1)])
+        return embed(guesses[-1])
+
+    outs = head.unroll(mx.array(hidden.astype(np.float32))[None], embed(mx.array(tokens))[None], own_guess, MAX_CHAIN)
+    own_guess(MAX_CHAIN, outs[-1])
+    return np.array(mx.stack(guesses, axis=-1)[0])
 
 
 def table_chains(table: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -334,7 +442,7 @@ def acceptance(runs: list[np.ndarray]) -> list[float]:
 
 def replay(runs: list[np.ndarray], verify_s: dict[int, float], step_s: float) -> list[dict]:
     rows = []
-    for k in range(1, MAX_CHAIN + 1):
+    for k in range(MAX_CHAIN + 1):  # k = 0: plain decoding, 1.0x
         ratios, per_round = [], []
         for run in runs:
             n = rounds(run, k)
@@ -365,7 +473,9 @@ def median_s(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-def prices(target, draft, head: FeatureHead, embed, dims: int) -> dict:
+def prices(target, draft, embed, draft_vocab: int) -> dict:
+    """Seconds of a target forward over 1 + k tokens, of a drafter step, and of each head's step
+    (one position; the layer head's attention over its cache is left out: ~0.01 of its cost)."""
     from omnidraft_mlx.decode.kvcache import KVSlot, trim_cache
 
     verify = {}
@@ -386,17 +496,21 @@ def prices(target, draft, head: FeatureHead, embed, dims: int) -> dict:
         mx.eval(draft(mx.array([[1000]]), cache=dslot.cache).argmax(axis=-1))
         trim_cache(dslot.cache, 1)
 
-    h, x = mx.random.normal((1, dims)), mx.array([1000])
-    mx.eval(h)
-
-    def head_step():
-        state, out = head(h, embed(x))
-        mx.eval(state, out.argmax(axis=-1))
-
-    return {"verify_s": verify, "drafter_step_s": median_s(draft_step, 30), "head_step_s": median_s(head_step, 50)}
+    dims = embed.weight.shape[1]
+    h, e = mx.random.normal((1, 1, dims)), embed(mx.array([[1000]]))
+    steps = {}
+    for name, kind in HEADS.items():
+        head = kind(dims, mx.random.normal((draft_vocab, dims)) * 0.02)  # the shape is what costs
+        mx.eval(head.parameters(), h, e)
+        steps[name] = median_s(lambda head=head: mx.eval(head.unroll(h, e, None, 1)[0].argmax(axis=-1)), 50)
+    return {"verify_s": verify, "drafter_step_s": median_s(draft_step, 30), "head_step_s": steps}
 
 
 # --- the run -----------------------------------------------------------------------
+
+
+def token_embedding(model) -> nn.Module:
+    return next(m for _, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)))
 
 
 def drafter_runs(pair, heldout: list[dict]) -> dict[str, list[np.ndarray]]:
@@ -420,7 +534,8 @@ def main(argv=None) -> None:
     ap.add_argument("--draft", default="smollm2-135m")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--steps", type=int, nargs=3, default=(600, 1200, 2400), help="training steps for each N")
+    ap.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="replies each head learns from")
+    ap.add_argument("--steps", type=int, nargs="+", default=STEPS, help="training steps for each of --sizes")
     ap.add_argument("--phase", choices=("all", "accept", "price"), default="all", help="price: alone, after accept")
     args = ap.parse_args(argv)
     work = args.work or Path("/tmp/head-ceiling") / args.target
@@ -433,27 +548,26 @@ def main(argv=None) -> None:
     pair = open_pair(args.draft, args.target, resolver=CATALOG_RESOLVER, profile=False, history=False, costs=False).pair
     accepted = work / "acceptance.json"
     if args.phase != "price":
-        result = accept(pair, work, args.steps, {"target": args.target, "draft": args.draft})
+        result = accept(pair, work, args.sizes, args.steps, {"target": args.target, "draft": args.draft})
         accepted.write_text(json.dumps(result))
     if args.phase != "accept":
         price_and_write(json.loads(accepted.read_text()), pair, args.out)
 
 
-def accept(pair, work: Path, steps_for: list[int], names: dict) -> dict:
+def accept(pair, work: Path, sizes: list[int], steps_for: list[int], names: dict) -> dict:
     """Record, train the heads on each N, and keep each one's chains on the held-out replies."""
     target, tok = pair.target, pair.target_tok
-    train_path, heldout_path, replies_path = work / "train.npz", work / "heldout.npz", work / "heldout.json"
-    if not train_path.exists():
-        train, heldout = conversations(target, tok)
-        replies_path.write_text(json.dumps(heldout))
-        print(f"recording {len(heldout)} held-out replies", flush=True)
-        record(target, [(c["task"], c["prompt"], c["reply"]) for c in heldout]).save(heldout_path)
-        print(f"recording {max(SIZES)} training replies", flush=True)
-        record(target, train[: max(SIZES)]).save(train_path)
-    train_all, heldout = Recording.load(train_path), Recording.load(heldout_path)
+    held = cached_json(work / "heldout.json", lambda: heldout_conversations(target, tok))
+    heldout = recorded(target, [(c["task"], c["prompt"], c["reply"]) for c in held], work / "heldout.npz")
+    train = cached_json(work / "train.json", lambda: training_conversations(target, tok))
+    chunks = []  # recorded CHUNK replies at a time, so that a larger N extends a smaller one's recording
+    for start in range(0, max(sizes), CHUNK):
+        print(f"recording training replies {start + 1}-{start + CHUNK}", flush=True)
+        chunks.append(recorded(target, train[start : start + CHUNK], work / f"train-{start:04d}.npz"))
+    train_all = Recording.concat(chunks)
 
     dims = train_all.hidden.shape[1]
-    embed = next(m for _, m in target.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)))
+    embed = token_embedding(target)
     lm_head = target.lm_head.weight if hasattr(target, "lm_head") else embed.weight
     vocab = lm_head.shape[0]
 
@@ -465,24 +579,27 @@ def accept(pair, work: Path, steps_for: list[int], names: dict) -> dict:
         "draft_vocab": DRAFT_VOCAB,
         "heads": [],
     }
-    for n, steps in zip(SIZES, steps_for):
+    for n, steps in zip(sizes, steps_for):
         rec = train_all.replies(n)
         draft_ids = draft_vocabulary(rec, DRAFT_VOCAB)
         to_draft = np.full(vocab, -1, np.int64)
         to_draft[draft_ids] = np.arange(len(draft_ids))
         covered = float(np.mean(to_draft[heldout.labels] >= 0))
         table = next_token_table(rec, vocab)
-        print(f"N={n}: {len(rec.tokens)} positions; training the mlp head for {steps} steps", flush=True)
-        head = FeatureHead(dims, lm_head[mx.array(draft_ids)].astype(mx.float32))
-        start = time.monotonic()
-        losses = train_head(head, embed, rec, to_draft, steps)
-        seconds = time.monotonic() - start
-        tables = [table_chains(table, t) for _, t, _ in heldout.of_all()]
-        heads = [head_chains(head, embed, h, t, draft_ids) for h, t, _ in heldout.of_all()]
-        for name, chains, extra in (
-            ("table", tables, {}),
-            ("mlp", heads, {"vocab_coverage": covered, "train_s": seconds, "loss": float(np.mean(losses[-100:]))}),
-        ):
+        evaluated = [("table", [table_chains(table, t) for _, t, _ in heldout.of_all()], {})]
+        for name, kind in HEADS.items():
+            print(f"N={n}: {len(rec.tokens)} positions; training the {name} head for {steps} steps", flush=True)
+            head = kind(dims, lm_head[mx.array(draft_ids)].astype(mx.float32))
+            start = time.monotonic()
+            losses = train_head(head, embed, rec, to_draft, steps)
+            chains = [head_chains(head, embed, h, t, draft_ids) for h, t, _ in heldout.of_all()]
+            extra = {
+                "vocab_coverage": covered,
+                "train_s": time.monotonic() - start,
+                "loss": float(np.mean(losses[-100:])),
+            }
+            evaluated.append((name, chains, extra))
+        for name, chains, extra in evaluated:
             per_task = task_runs(heldout, chains)
             result["heads"].append(
                 {"head": name, "replies": n, "positions": int(len(rec.tokens)), **extra, "tasks": per_task}
@@ -495,7 +612,7 @@ def accept(pair, work: Path, steps_for: list[int], names: dict) -> dict:
     print("the drafter on the same replies", flush=True)
     result["drafter"] = {
         task: {"acceptance": acceptance(runs), "runs": [r.tolist() for r in runs]}
-        for task, runs in drafter_runs(pair, json.loads(replies_path.read_text())).items()
+        for task, runs in drafter_runs(pair, held).items()
     }
     return result
 
@@ -503,13 +620,10 @@ def accept(pair, work: Path, steps_for: list[int], names: dict) -> dict:
 def price_and_write(result: dict, pair, out: Path) -> None:
     """Price the rounds (alone: the timings are the result), replay every reply, write the record."""
     print("pricing (alone)", flush=True)
-    embed = next(m for _, m in pair.target.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)))
-    dims = embed.weight.shape[1]
-    head = FeatureHead(dims, mx.random.normal((result["draft_vocab"], dims)) * 0.02)  # the shape is what costs
-    price = prices(pair.target, pair.draft, head, embed, dims)
+    price = prices(pair.target, pair.draft, token_embedding(pair.target), result["draft_vocab"])
     result["prices"] = price
     for entry in result["heads"]:
-        step = price["head_step_s"] if entry["head"] == "mlp" else 0.0
+        step = price["head_step_s"].get(entry["head"], 0.0)  # a table costs nothing
         for v in entry["tasks"].values():
             v["replay"] = replay([np.array(r) for r in v["runs"]], price["verify_s"], step)
     for v in result["drafter"].values():
@@ -528,8 +642,10 @@ def print_summary(result: dict) -> None:
     print(
         f"prices: target forward {1000 * p['verify_s'][0]:.1f} ms "
         f"(1+{MAX_CHAIN} tokens {1000 * p['verify_s'][MAX_CHAIN]:.1f} ms), "
-        f"head step {1000 * p['head_step_s']:.2f} ms ({p['head_step_s'] / p['verify_s'][0]:.3f}), "
-        f"drafter step {1000 * p['drafter_step_s']:.1f} ms ({p['drafter_step_s'] / p['verify_s'][0]:.3f})"
+        + "".join(
+            f"{k} head step {1000 * v:.2f} ms ({v / p['verify_s'][0]:.3f}), " for k, v in p["head_step_s"].items()
+        )
+        + f"drafter step {1000 * p['drafter_step_s']:.1f} ms ({p['drafter_step_s'] / p['verify_s'][0]:.3f})"
     )
     rows = [(f"{e['head']} N={e['replies']}", e["tasks"]) for e in result["heads"]] + [("drafter", result["drafter"])]
     for name, tasks in rows:
@@ -550,8 +666,12 @@ def plot(result: dict, path: Path) -> None:
     tasks = list(result["drafter"])
     fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.6), sharey=True)
     for ax, task in zip(axes, tasks):
-        series = [(f"{e['head']} N={e['replies']}", e["tasks"][task]) for e in result["heads"] if e["head"] == "mlp"]
-        series += [("table N=1000", next(e["tasks"][task] for e in result["heads"][::-1] if e["head"] == "table"))]
+        largest = max(e["replies"] for e in result["heads"])
+        series = [
+            (f"{e['head']} N={e['replies']}", e["tasks"][task])
+            for e in result["heads"]
+            if e["head"] != "table" or e["replies"] == largest
+        ]
         series += [("drafter", result["drafter"][task])]
         for name, v in series:
             ax.plot([r["k"] for r in v["replay"]], [r["speedup_median"] for r in v["replay"]], marker="o", label=name)

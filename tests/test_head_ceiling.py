@@ -2,11 +2,12 @@
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.models import llama
 
 from omnidraft_mlx.bench.head_ceiling import (
+    HEADS,
     MAX_CHAIN,
-    FeatureHead,
     Recording,
     chain_examples,
     head_chains,
@@ -63,7 +64,8 @@ def test_the_table_keeps_the_most_frequent_next_token():
     assert table[3] == 7 and table[4] == 1 and table[5] == 5  # 3 -> 7 twice, 8 once; 5 never seen
 
 
-def test_a_head_learns_a_tiny_targets_next_tokens():
+@pytest.mark.parametrize("kind", sorted(HEADS))
+def test_a_head_learns_a_tiny_targets_next_tokens(kind):
     mx.random.seed(0)
     args = llama.ModelArgs(
         model_type="llama",
@@ -84,7 +86,7 @@ def test_a_head_learns_a_tiny_targets_next_tokens():
     assert len(rec.tokens) == 24 * 24 and len(rec.labels) == 24 * 25
     embed = target.model.embed_tokens
     draft_ids = np.arange(48)
-    head = FeatureHead(32, target.lm_head.weight.astype(mx.float32))
+    head = HEADS[kind](32, target.lm_head.weight.astype(mx.float32))
 
     def agreement():
         hits = [kept_runs(head_chains(head, embed, h, t, draft_ids), lab) >= 1 for h, t, lab in rec.of_all()]
