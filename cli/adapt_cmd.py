@@ -112,9 +112,9 @@ def adapt(
     Ctrl-C or SIGTERM stops it once the update under way is saved; the same command again goes on from there."""
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import err_console
+    from omnidraft_mlx.collectives import world
     from omnidraft_mlx.learn.adapt import STOPPED, Budget, check_mode
     from omnidraft_mlx.learn.distill import DistillConfig
-    from omnidraft_mlx.learn.distributed import world
 
     mode = check_mode(mode) if mode is not None else None
     _check_flags(policy, interval, k, max_tokens, n_eval, minutes, max_prompts)
@@ -231,8 +231,8 @@ def _open_learner(
     machines get a copy of it; the learner takes rank 0's weights and optimizer state). history:
     the target's replies also feed lookup drafting from earlier replies (the target mode)."""
     from omnidraft_mlx.cli.main import err_console
+    from omnidraft_mlx.collectives import share_folder
     from omnidraft_mlx.learn.adapt import open_learner
-    from omnidraft_mlx.learn.distributed import share_folder
     from omnidraft_mlx.loading import load_model
     from omnidraft_mlx.models.pull import CATALOG_RESOLVER
     from omnidraft_mlx.profile.store import profile_dir, profile_lock
@@ -262,7 +262,7 @@ def _resume(learner, key: str, n_samples: int, group, lead: bool) -> None:
     import mlx.core as mx
 
     from omnidraft_mlx.cli.main import err_console
-    from omnidraft_mlx.learn.distributed import share_tree
+    from omnidraft_mlx.collectives import share_tree
 
     learner.corpus = key
     learner.position = int(share_tree(mx.array(learner.profile.position(key)), group).item())

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from omnidraft_mlx.collectives import world
 from omnidraft_mlx.decode.lookup import HistoryIndex
 from omnidraft_mlx.decode.policy import DraftPolicy
 from omnidraft_mlx.decode.ranks import ranks_of, shard_target
 from omnidraft_mlx.decode.widths import verify_costs
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.learn.distributed import world
 from omnidraft_mlx.pair import Pair, make_pair
 from omnidraft_mlx.paths import LOCAL, Resolver
 from omnidraft_mlx.profile.store import Profile, load_profile

@@ -13,9 +13,9 @@ lossless, so one rank decides and the others follow. Every rank loads the drafte
 (small) for the vocabulary map; only the lead runs it. A round costs two shares at
 its boundaries, three all_sums besides the target forward's own collectives:
 - plan: the lead's draft as the tree to verify (tokens, parents, chain length), by
-  learn.distributed.broadcast_bytes (its size, then its bytes: two all_sums),
+  collectives.broadcast_bytes (its size, then its bytes: two all_sums),
 - take: the accepted path and the target's next token, in a buffer as long as the tree
-  (learn.distributed.share_tree: one all_sum).
+  (collectives.share_tree: one all_sum).
 Every rank then verifies the same tree and keeps the same path (its KV and recurrent
 state roll back the same way). Across ranks the lead drafts chains, not trees
 (speculative.Decoding turns --tree off there): whether a rank's layers take a tree is
@@ -31,11 +31,11 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+from omnidraft_mlx.collectives import all_sum, broadcast_bytes, share_tree
 from omnidraft_mlx.decode.drafts import Draft
 from omnidraft_mlx.decode.scheduler import Round
 from omnidraft_mlx.decode.tree import TokenTree
 from omnidraft_mlx.errors import OmniDraftError
-from omnidraft_mlx.learn.distributed import all_sum, broadcast_bytes, share_tree
 
 SHARDINGS = ("tensor", "pipeline")  # --shard: the way preferred where a family has both
 

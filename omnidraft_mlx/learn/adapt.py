@@ -37,13 +37,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from omnidraft_mlx.collectives import all_sum, gather_rows, share_tree, world
 from omnidraft_mlx.decode.drafter import output_head
 from omnidraft_mlx.decode.head import replay_depths, replay_recent
 from omnidraft_mlx.decode.policy import DraftPolicy, LearnedPolicy
 from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats, speculative_generate
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.learn.distill import DistillConfig, Distiller, Example, StepStats, make_example
-from omnidraft_mlx.learn.distributed import all_sum, gather_rows, shard, share_tree, world
+from omnidraft_mlx.learn.distributed import shard
 from omnidraft_mlx.pair import Pair
 from omnidraft_mlx.paths import LOCAL, Resolver
 from omnidraft_mlx.profile.store import Profile

@@ -205,7 +205,7 @@ class Distiller:
         from mlx.nn.utils import average_gradients
         from mlx.utils import tree_map
 
-        from omnidraft_mlx.learn.distributed import all_sum
+        from omnidraft_mlx.collectives import all_sum
 
         t0 = time.perf_counter()
         batch = [e for e in batch if e.positions]
