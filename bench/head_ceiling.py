@@ -201,7 +201,9 @@ def heldout_conversations(target, tokenizer) -> list[dict]:
 
 def recorded(target, conversations: list, path: Path) -> Recording:
     if not path.exists():
-        record(target, conversations).save(path)
+        part = path.with_suffix(".part.npz")
+        record(target, conversations).save(part)
+        part.replace(path)  # whole or absent
     return Recording.load(path)
 
 
@@ -536,7 +538,12 @@ def main(argv=None) -> None:
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="replies each head learns from")
     ap.add_argument("--steps", type=int, nargs="+", default=STEPS, help="training steps for each of --sizes")
-    ap.add_argument("--phase", choices=("all", "accept", "price"), default="all", help="price: alone, after accept")
+    ap.add_argument(
+        "--phase",
+        choices=("all", "record", "accept", "price"),
+        default="all",
+        help="record: the target's recordings only; accept: then train and evaluate; price: alone, after accept",
+    )
     args = ap.parse_args(argv)
     work = args.work or Path("/tmp/head-ceiling") / args.target
     work.mkdir(parents=True, exist_ok=True)
@@ -547,24 +554,34 @@ def main(argv=None) -> None:
 
     pair = open_pair(args.draft, args.target, resolver=CATALOG_RESOLVER, profile=False, history=False, costs=False).pair
     accepted = work / "acceptance.json"
-    if args.phase != "price":
+    if args.phase == "record":
+        recordings(pair, work, max(args.sizes))
+    if args.phase in ("all", "accept"):
         result = accept(pair, work, args.sizes, args.steps, {"target": args.target, "draft": args.draft})
         accepted.write_text(json.dumps(result))
-    if args.phase != "accept":
+    if args.phase in ("all", "price"):
         price_and_write(json.loads(accepted.read_text()), pair, args.out)
 
 
-def accept(pair, work: Path, sizes: list[int], steps_for: list[int], names: dict) -> dict:
-    """Record, train the heads on each N, and keep each one's chains on the held-out replies."""
+def recordings(pair, work: Path, replies: int) -> tuple[list[dict], Recording, Recording]:
+    """The held-out conversations, their recording, and the first `replies` training replies' recording:
+    each made once and kept in `work` (training replies CHUNK at a time, so a larger N extends a smaller
+    one's, and two processes may record different chunks)."""
     target, tok = pair.target, pair.target_tok
     held = cached_json(work / "heldout.json", lambda: heldout_conversations(target, tok))
     heldout = recorded(target, [(c["task"], c["prompt"], c["reply"]) for c in held], work / "heldout.npz")
     train = cached_json(work / "train.json", lambda: training_conversations(target, tok))
-    chunks = []  # recorded CHUNK replies at a time, so that a larger N extends a smaller one's recording
-    for start in range(0, max(sizes), CHUNK):
+    chunks = []
+    for start in range(0, replies, CHUNK):
         print(f"recording training replies {start + 1}-{start + CHUNK}", flush=True)
         chunks.append(recorded(target, train[start : start + CHUNK], work / f"train-{start:04d}.npz"))
-    train_all = Recording.concat(chunks)
+    return held, heldout, Recording.concat(chunks)
+
+
+def accept(pair, work: Path, sizes: list[int], steps_for: list[int], names: dict) -> dict:
+    """Train the heads on each N and keep each one's chains on the held-out replies."""
+    target = pair.target
+    held, heldout, train_all = recordings(pair, work, max(sizes))
 
     dims = train_all.hidden.shape[1]
     embed = token_embedding(target)
