@@ -80,8 +80,7 @@ class Recording:
     offsets: np.ndarray
     label_offsets: np.ndarray
 
-    def replies(self, n: int | None = None) -> Recording:
-        n = len(self.tasks) if n is None else n
+    def replies(self, n: int) -> Recording:
         end, label_end = self.offsets[n], self.label_offsets[n]
         return Recording(
             self.tasks[:n],
@@ -104,15 +103,15 @@ class Recording:
         ]
 
     @classmethod
+    def of_replies(cls, tasks: list[str], replies: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Recording:
+        """(hidden, tokens, labels) of each reply, concatenated."""
+        hidden, tokens, labels = zip(*replies)
+        offsets, label_offsets = np.cumsum([0, *map(len, tokens)]), np.cumsum([0, *map(len, labels)])
+        return cls(list(tasks), *map(np.concatenate, (hidden, tokens, labels)), offsets, label_offsets)
+
+    @classmethod
     def concat(cls, parts: list[Recording]) -> Recording:
-        return cls(
-            [t for p in parts for t in p.tasks],
-            np.concatenate([p.hidden for p in parts]),
-            np.concatenate([p.tokens for p in parts]),
-            np.concatenate([p.labels for p in parts]),
-            np.cumsum([0, *(n for p in parts for n in np.diff(p.offsets))]),
-            np.cumsum([0, *(n for p in parts for n in np.diff(p.label_offsets))]),
-        )
+        return cls.of_replies([t for p in parts for t in p.tasks], [r for p in parts for r in p.of_all()])
 
     def save(self, path: Path) -> None:
         np.savez(path, tasks=np.array(self.tasks), **{k: getattr(self, k) for k in FIELDS})
@@ -130,23 +129,17 @@ def record(target, conversations: list[tuple[str, list[int], list[int]]]) -> Rec
     """One teacher forward of the target over each (task, prompt ids, reply ids)."""
     from omnidraft_mlx.anatomy import hidden_states, logits
 
-    tasks, hidden, tokens, labels = [], [], [], []
-    for n, (task, prompt, reply) in enumerate(conversations):
-        ids = prompt + reply
-        states = hidden_states(target, mx.array(ids)[None])[0, len(prompt) - 1 :]
+    replies = []
+    for n, (_, prompt, reply) in enumerate(conversations):
+        states = hidden_states(target, mx.array(prompt + reply)[None])[0, len(prompt) - 1 :]
         greedy = mx.argmax(logits(target, states), axis=-1)
         mx.eval(states, greedy)
-        tasks.append(task)
-        hidden.append(np.array(states[:-1].astype(mx.float16)))
-        tokens.append(np.array(reply, np.int32))
-        labels.append(np.array(greedy, np.int32))
+        replies.append(
+            (np.array(states[:-1].astype(mx.float16)), np.array(reply, np.int32), np.array(greedy, np.int32))
+        )
         if (n + 1) % 50 == 0:
             print(f"  recorded {n + 1}/{len(conversations)} replies", flush=True)
-    offsets = np.cumsum([0] + [len(t) for t in tokens])
-    label_offsets = np.cumsum([0] + [len(x) for x in labels])
-    return Recording(
-        tasks, np.concatenate(hidden), np.concatenate(tokens), np.concatenate(labels), offsets, label_offsets
-    )
+    return Recording.of_replies([task for task, _, _ in conversations], replies)
 
 
 def greedy_replies(target, tokenizer, prompts: list[list[int]]) -> list[list[int]]:
@@ -303,22 +296,21 @@ def chain_examples(rec: Recording, depth: int) -> tuple[np.ndarray, ...]:
     exists and every token fed after the first is the target's own choice (in an accepted chain the
     head is fed the target's tokens; where a reference left them, the target's next one is unknown)."""
     fed, wanted, known = [], [], []
-    for r in range(len(rec.tasks)):
-        tokens = rec.tokens[rec.offsets[r] : rec.offsets[r + 1]]
-        labels = rec.labels[rec.label_offsets[r] : rec.label_offsets[r + 1]]
+    for _, tokens, labels in rec.of_all():
         n = len(tokens)
         own = tokens == labels[:n]  # token j is what the target would have written there
-        pad_t = np.concatenate([tokens, np.zeros(depth, np.int32)])
-        pad_l = np.concatenate([labels, np.zeros(depth, np.int32)])
-        pad_own = np.concatenate([own, np.zeros(depth, bool)])
-        j = np.arange(n)[:, None]
-        m = np.arange(depth)[None, :]
-        fed.append(pad_t[j + m])
-        wanted.append(pad_l[j + m + 1])
-        ok = (j + m + 1) <= n
-        ok[:, 1:] &= np.cumprod(pad_own[j + m[:, 1:]], axis=1).astype(bool)
+        fed.append(ahead(tokens, 0, depth, 0))
+        wanted.append(ahead(labels, 1, depth, 0)[:n])
+        ok = ahead(np.ones(n + 1, bool), 1, depth, False)[:n]  # the label exists
+        ok[:, 1:] &= np.cumprod(ahead(own, 1, depth - 1, False), axis=1).astype(bool)
         known.append(ok)
     return np.concatenate(fed), np.concatenate(wanted), np.concatenate(known)
+
+
+def ahead(values: np.ndarray, first: int, count: int, fill) -> np.ndarray:
+    """At each position j: values[j + first], ..., values[j + first + count - 1], `fill` past the end."""
+    padded = np.concatenate([values, np.full(first + count, fill, values.dtype)])
+    return padded[np.arange(len(values))[:, None] + first + np.arange(count)[None, :]]
 
 
 def windows(rec: Recording, width: int) -> np.ndarray:
@@ -377,15 +369,13 @@ def head_chains(head, embed, hidden: np.ndarray, tokens: np.ndarray, draft_ids: 
     """From every position of a reply, the head's chain of MAX_CHAIN guesses (target ids), each
     fed its own guess and state."""
     to_target = mx.array(draft_ids)
-    guesses = []
 
-    def own_guess(_, logits):
-        guesses.append(to_target[mx.argmax(logits, axis=-1)])
-        return embed(guesses[-1])
+    def guess(logits: mx.array) -> mx.array:
+        return to_target[mx.argmax(logits, axis=-1)]
 
-    outs = head.unroll(mx.array(hidden.astype(np.float32))[None], embed(mx.array(tokens))[None], own_guess, MAX_CHAIN)
-    own_guess(MAX_CHAIN, outs[-1])
-    return np.array(mx.stack(guesses, axis=-1)[0])
+    h, e = mx.array(hidden.astype(np.float32))[None], embed(mx.array(tokens))[None]
+    outs = head.unroll(h, e, lambda _, logits: embed(guess(logits)), MAX_CHAIN)
+    return np.array(mx.stack([guess(out) for out in outs], axis=-1)[0])
 
 
 def table_chains(table: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -412,9 +402,7 @@ def next_token_table(rec: Recording, vocab: int) -> np.ndarray:
 
 def kept_runs(guesses: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """At each position j, how many of the chain's guesses the target keeps (guess d wants label j+d)."""
-    n = len(guesses)
-    pad = np.concatenate([labels, np.full(MAX_CHAIN, -1)])
-    wanted = pad[np.arange(n)[:, None] + np.arange(1, MAX_CHAIN + 1)[None, :]]
+    wanted = ahead(labels, 1, MAX_CHAIN, -1)[: len(guesses)]
     return np.cumprod(guesses == wanted, axis=1).sum(axis=1)
 
 
@@ -524,9 +512,7 @@ def drafter_runs(pair, heldout: list[dict]) -> dict[str, list[np.ndarray]]:
     runs: dict[str, list[np.ndarray]] = {}
     for c in heldout:
         hit = reply_ranks(pair, messages[c["id"]], c["reply"]) == 0
-        padded = np.concatenate([hit, np.zeros(MAX_CHAIN, bool)])
-        window = padded[np.arange(len(hit))[:, None] + np.arange(MAX_CHAIN)[None, :]]
-        runs.setdefault(c["task"], []).append(np.cumprod(window, axis=1).sum(axis=1))
+        runs.setdefault(c["task"], []).append(np.cumprod(ahead(hit, 0, MAX_CHAIN, False), axis=1).sum(axis=1))
     return runs
 
 

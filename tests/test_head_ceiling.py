@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import llama
+from architectures import BASE, VOCAB, build
 
 from omnidraft_mlx.bench.head_ceiling import (
     HEADS,
@@ -66,33 +66,20 @@ def test_the_table_keeps_the_most_frequent_next_token():
 
 @pytest.mark.parametrize("kind", sorted(HEADS))
 def test_a_head_learns_a_tiny_targets_next_tokens(kind):
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=48,
-        tie_word_embeddings=False,
-    )
-    target = llama.Model(args)
-    mx.eval(target.parameters())
+    target = build("llama")
     rng = np.random.default_rng(0)
-    conversations = [("t", rng.integers(0, 48, 4).tolist(), rng.integers(0, 48, 24).tolist()) for _ in range(24)]
+    conversations = [("t", rng.integers(0, VOCAB, 4).tolist(), rng.integers(0, VOCAB, 24).tolist()) for _ in range(24)]
     rec = record(target, conversations)
     assert len(rec.tokens) == 24 * 24 and len(rec.labels) == 24 * 25
     embed = target.model.embed_tokens
-    draft_ids = np.arange(48)
-    head = HEADS[kind](32, target.lm_head.weight.astype(mx.float32))
+    draft_ids = np.arange(VOCAB)
+    head = HEADS[kind](BASE["hidden_size"], target.lm_head.weight.astype(mx.float32))
 
     def agreement():
         hits = [kept_runs(head_chains(head, embed, h, t, draft_ids), lab) >= 1 for h, t, lab in rec.of_all()]
         return float(np.mean(np.concatenate(hits)))
 
     before = agreement()
-    losses = train_head(head, embed, rec, np.arange(48), steps=150)
+    losses = train_head(head, embed, rec, draft_ids, steps=150)
     assert np.mean(losses[-20:]) < 0.5 * np.mean(losses[:20])
     assert agreement() > before + 0.2
