@@ -162,21 +162,25 @@ def rank_pids(launcher: int) -> dict[int, int]:
     return pids
 
 
-def kill_rank_after_an_update(home, corpus, tiny_dirs, rank: int) -> None:
-    """Two ranks; once an update is saved, kill -9 `rank`: the launcher stops the other one."""
+def adapt_past_an_update(home, corpus, tiny_dirs, *args, stdout=subprocess.PIPE) -> subprocess.Popen:
+    """Adapt on two ranks under mlx.launch, returned once it reports its first update saved."""
     launcher = subprocess.Popen(
-        adapt_cmd(corpus, tiny_dirs, 2, "--interval", "4"),
-        stdout=subprocess.DEVNULL,
+        adapt_cmd(corpus, tiny_dirs, 2, *args),
+        stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "OMNIDRAFT_HOME": str(home)},
     )
+    for line in launcher.stderr:
+        if "prompts/min" in line:
+            return launcher
+    pytest.fail(f"no update reported (exit {launcher.wait()})")
+
+
+def kill_rank_after_an_update(home, corpus, tiny_dirs, rank: int) -> None:
+    """Two ranks; once an update is saved, kill -9 `rank`: the launcher stops the other one."""
+    launcher = adapt_past_an_update(home, corpus, tiny_dirs, "--interval", "4", stdout=subprocess.DEVNULL)
     try:
-        for line in launcher.stderr:
-            if "prompts/min" in line:
-                break
-        else:
-            pytest.fail(f"no update reported (exit {launcher.wait()})")
         os.kill(rank_pids(launcher.pid)[rank], signal.SIGKILL)
         launcher.stderr.read()
         launcher.wait(timeout=120)  # it stops the other rank (its own exit status is 0 whatever the ranks did)
@@ -231,19 +235,8 @@ def test_modes_other_than_target_are_refused_on_several_ranks(tmp_path, tiny_dir
 
 def test_a_signal_to_either_rank_stops_both_after_the_same_update_saved(tmp_path, tiny_dirs, corpus):
     # Ctrl-C in a terminal reaches every rank; a stop asked of one rank alone (here rank 1's SIGTERM) stops them all.
-    launcher = subprocess.Popen(
-        adapt_cmd(corpus, tiny_dirs, 2, "--interval", "2", "--minutes", "0"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMNIDRAFT_HOME": str(tmp_path)},
-    )
+    launcher = adapt_past_an_update(tmp_path, corpus, tiny_dirs, "--interval", "2", "--minutes", "0")
     try:
-        for line in launcher.stderr:
-            if "prompts/min" in line:
-                break
-        else:
-            pytest.fail(f"no update reported (exit {launcher.wait()})")
         os.kill(rank_pids(launcher.pid)[1], signal.SIGTERM)
         stdout, stderr = launcher.communicate(timeout=120)
     finally:
