@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from omnidraft_mlx.anatomy import context_length, vocab_size  # noqa: F401 - vocab_size imported from here by callers
-from omnidraft_mlx.decode.ranks import ALONE, Ranks, ranks_of
+from omnidraft_mlx.decode.ranks import Ranks, ranks_of
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.vocab.ngram import NGramCache
 from omnidraft_mlx.vocab.tokenmap import VocabMap, build_vocab_map
@@ -36,12 +36,16 @@ class Pair:
     vmap: VocabMap
     ngrams: NGramCache = field(default_factory=NGramCache)
     spelled: set[int] = field(default_factory=set)  # target ids already checked for n-grams
-    ranks: Ranks = ALONE  # the ranks the target is split over (decode/ranks.py): who decides each round
     mapped_draft: np.ndarray = field(init=False)
     mapped_target: np.ndarray = field(init=False)
 
     def __post_init__(self):
         self.mapped_draft, self.mapped_target = self.vmap.mapped_pairs()
+
+    @property
+    def ranks(self) -> Ranks:
+        """The ranks the target is split over (decode/ranks.py): who decides each round."""
+        return ranks_of(self.target)
 
     def learn_ngrams(self, target_ids: list[int]) -> None:
         """Add the draft spelling of newly verified target tokens to the n-gram cache."""
@@ -71,6 +75,4 @@ def make_pair(draft, draft_tok, target, target_tok, ngrams: NGramCache | None = 
             "tokens spell text the same way (any byte-level or SentencePiece model does)"
         )
     # An empty cache is falsy: test for None, or the caller's cache would be replaced.
-    return Pair(
-        draft, target, draft_tok, target_tok, vmap, NGramCache() if ngrams is None else ngrams, ranks=ranks_of(target)
-    )
+    return Pair(draft, target, draft_tok, target_tok, vmap, NGramCache() if ngrams is None else ngrams)
