@@ -448,11 +448,12 @@ def config(family: str) -> dict:
     return cfg
 
 
-def build(family: str, seed: int = 0, noise: float = 0.0):
-    """A tiny random-weight model of the family (seeded); noise > 0 perturbs every weight by
-    that fraction of its scale (a drafter that agrees with the target often, not always)."""
+def build(family: str, seed: int = 0, noise: float = 0.0, **settings):
+    """A tiny random-weight model of the family (seeded), `settings` over its tiny ones; noise > 0
+    perturbs every weight by that fraction of its scale (a drafter that agrees with the target
+    often, not always)."""
     mod = importlib.import_module(f"mlx_lm.models.{family}")
-    cfg = config(family)
+    cfg = dict(config(family), **settings)
     known = {f.name for f in dataclasses.fields(mod.ModelArgs)}
     missing = [f.name for f in dataclasses.fields(mod.ModelArgs) if _required(f) and f.name not in cfg]
     cfg.update(dict.fromkeys(missing))  # settings this family does not use at this size

@@ -3,8 +3,6 @@ over loopback; decode/ranks.py): the pair's greedy output equals plain decoding 
 split target and plain decoding in one process, tensor parallel (a tiny llama) and as a
 pipeline (a tiny qwen3_next: recurrent layers on both stages); rank 0 alone prints."""
 
-import dataclasses
-import importlib
 import json
 import os
 import re
@@ -12,7 +10,7 @@ import shutil
 import subprocess
 
 import mlx.core as mx
-from architectures import _perturb, _sharpen, config
+from architectures import build, config
 from mlx.utils import tree_flatten
 from test_distributed import LAUNCH, OMNIDRAFT, free_ports
 from tiny_models import corpus, train_tokenizer, write_model
@@ -75,18 +73,9 @@ def write_family(out, tokenizer_dir, family: str, layers: int, noise: float = 0.
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out / name)
     tiny = json.loads((tokenizer_dir / "config.json").read_text())
-    cfg = dict(
-        config(family), num_hidden_layers=layers, vocab_size=tiny["vocab_size"], eos_token_id=tiny["eos_token_id"]
-    )
-    mod = importlib.import_module(f"mlx_lm.models.{family}")
-    known = {f.name for f in dataclasses.fields(mod.ModelArgs)}
-    mx.random.seed(0)
-    model = mod.Model(mod.ModelArgs.from_dict({k: v for k, v in cfg.items() if k in known}))
-    model.update(_sharpen(model.parameters()))  # peaked logits: greedy near-ties are rare
-    if noise:
-        mx.random.seed(1)
-        model.update(_perturb(model.parameters(), noise))
-    (out / "config.json").write_text(json.dumps(cfg))
+    settings = dict(num_hidden_layers=layers, vocab_size=tiny["vocab_size"], eos_token_id=tiny["eos_token_id"])
+    model = build(family, noise=noise, **settings)
+    (out / "config.json").write_text(json.dumps(dict(config(family), **settings)))
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return out
 
