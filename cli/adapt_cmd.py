@@ -188,8 +188,10 @@ def _plan(mode: str, key: str, n_samples: int, minutes: float, max_prompts: int 
 def _stop_on_signals(stop: threading.Event, group):
     """Ctrl-C (SIGINT) and SIGTERM set `stop`: nothing new starts, the update under way finishes and is
     saved. A second one stops at once (KeyboardInterrupt; what was learned since the last save is lost).
-    Under mlx.launch a stop asked of any rank stops them all after the same update (Budget.spent_on_lead)."""
+    Under mlx.launch a stop asked of any rank stops them all after the same update (Budget.spent_on_lead),
+    and a rank stuck waiting on one that has ended ends too (collectives.handle_signals)."""
     from omnidraft_mlx.cli.main import err_console
+    from omnidraft_mlx.collectives import handle_signals
 
     where = f"rank {group.rank()}: " if group.size() > 1 else ""
 
@@ -205,12 +207,10 @@ def _stop_on_signals(stop: threading.Event, group):
             soft_wrap=True,
         )
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with handle_signals(
+        on_signal, (signal.SIGINT, signal.SIGTERM), group, lambda s: err_console.print(s, soft_wrap=True)
+    ):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _pick_mode(mode: str | None, samples) -> str:

@@ -8,6 +8,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from omnidraft_mlx.blas import ensure_fast_blas
 from omnidraft_mlx.errors import OmniDraftError
@@ -72,6 +73,15 @@ def main() -> None:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
+    except RuntimeError as e:
+        from omnidraft_mlx.collectives import lost_a_rank
+
+        if not lost_a_rank(e):
+            raise
+        err_console.print(
+            f"[bold red]error:[/] another rank of this mlx.launch has ended ({escape(str(e))}); what was saved is kept"
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

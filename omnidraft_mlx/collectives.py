@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import atexit
 import io
+import itertools
+import os
 import shutil
+import signal
+import socket
+import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,14 +36,46 @@ def all_sum(x: mx.array, group: mx.distributed.Group) -> mx.array:
     return mx.distributed.all_sum(x, group=group, stream=mx.cpu) if group.size() > 1 else x
 
 
+class LostRank(RuntimeError):
+    """A rank of the group has ended: what the collectives gave since cannot be trusted."""
+
+
+_checks = itertools.count(1)
+
+
+def check_ranks(group: mx.distributed.Group) -> None:
+    """Raise LostRank unless every rank is still there. When a rank ends, MLX's ring backend
+    fails the collectives under way, but some of them return whatever their buffers held instead
+    of raising: a check after them keeps that from being used (a gather) or saved (an update).
+    Every rank calls it as often, so each check's number is the same on every rank."""
+    if group.size() == 1:
+        return
+    n = next(_checks)
+    try:
+        rows = np.array(mx.distributed.all_gather(mx.array([[group.rank(), n]]), group=group, stream=mx.cpu))
+    except RuntimeError as e:
+        raise LostRank(f"a rank has ended ({e})") from e
+    if rows.tolist() != [[r, n] for r in range(group.size())]:
+        raise LostRank("a rank has ended (a collective came back with what its buffer held)")
+
+
+def lost_a_rank(error: BaseException) -> bool:
+    """Whether an error says a rank of the group has ended (ours, or MLX's backend failing a collective)."""
+    return isinstance(error, LostRank) or (
+        isinstance(error, RuntimeError) and str(error).startswith(("[ring]", "[jaccl]", "[mpi]", "[nccl]"))
+    )
+
+
 def all_gather_bytes(data: bytes, group: mx.distributed.Group) -> list[bytes]:
     """Every rank's bytes, in rank order."""
     if group.size() == 1:
         return [data]
     sizes = np.array(mx.distributed.all_gather(mx.array([len(data)]), group=group, stream=mx.cpu)).tolist()
+    check_ranks(group)
     padded = np.zeros(max(sizes) or 1, np.uint8)
     padded[: len(data)] = np.frombuffer(data, np.uint8)
     rows = np.array(mx.distributed.all_gather(mx.array(padded)[None], group=group, stream=mx.cpu))
+    check_ranks(group)
     return [rows[r, :n].tobytes() for r, n in enumerate(sizes)]
 
 
@@ -98,3 +139,59 @@ def share_tree(tree, group: mx.distributed.Group):
     tree = tree_map(lambda a: all_sum(a if lead else mx.zeros_like(a), group), tree)
     mx.eval(tree)
     return tree
+
+
+STUCK_S = 60.0  # after a stop signal, a main thread inside one call this long waits on a rank that has ended
+
+
+@contextmanager
+def handle_signals(
+    handler: Callable, signals: tuple[int, ...], group: mx.distributed.Group, say: Callable[[str], None]
+) -> Iterator[None]:
+    """`handler` for `signals` inside the block; under mlx.launch, a rank that cannot stop ends.
+    When a rank ends, mlx.launch sends SIGTERM to the others, and one waiting in a collective with
+    the rank that ended may wait for ever (MLX's ring backend does not always fail it), before
+    the handler or after it. Python handlers run only when the main thread comes back from MLX, so
+    a signal also wakes a thread (signal.set_wakeup_fd); from then on it ends the process, saying
+    why, once the main thread stays inside one call for STUCK_S. What was saved is kept: saves
+    are atomic, and an update is checked before it is saved (check_ranks)."""
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    if group.size() == 1:
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+        return
+    wake, woken = socket.socketpair()
+    wake.setblocking(False)
+    previous_fd = signal.set_wakeup_fd(wake.fileno(), warn_on_full_buffer=False)
+    done = threading.Event()
+    threading.Thread(target=_end_when_stuck, args=(woken, signals, done, group, say), daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(previous_fd)
+        wake.close()
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _end_when_stuck(woken: socket.socket, signals, done: threading.Event, group, say) -> None:
+    with woken:
+        while (data := woken.recv(64)) and not any(s in signals for s in data):
+            pass
+    main, seen, since = threading.main_thread().ident, None, time.monotonic()
+    while not done.wait(0.5):
+        frame = sys._current_frames().get(main)
+        if frame is None:
+            return
+        if seen is None or frame is not seen[0] or frame.f_lasti != seen[1]:
+            seen, since = (frame, frame.f_lasti), time.monotonic()
+        elif time.monotonic() - since > STUCK_S:
+            say(
+                f"rank {group.rank()}: stopping, but this rank has waited {STUCK_S:g} s in one call (on a rank that "
+                "has ended?): ending now; what was saved is kept"
+            )
+            os._exit(1)

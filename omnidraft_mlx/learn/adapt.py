@@ -37,7 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from omnidraft_mlx.collectives import all_sum, gather_rows, share_tree, world
+from omnidraft_mlx.collectives import all_sum, check_ranks, gather_rows, share_tree, world
 from omnidraft_mlx.decode.drafter import output_head
 from omnidraft_mlx.decode.head import replay_depths, replay_recent
 from omnidraft_mlx.decode.policy import DraftPolicy, LearnedPolicy
@@ -276,6 +276,7 @@ class OnlineLearner:
                 start = time.perf_counter()
         self.updates += 1
         examples = int(all_sum(mx.array(sum(map(len, batches))), self.group).item())
+        check_ranks(self.group)  # a rank that ended may have left garbage in the gradients: never save that
         report = UpdateReport(self.updates, examples, self.cfg.steps, steps)
         report.seconds = seconds + time.perf_counter() - start
         del self.buffer[:taken]
