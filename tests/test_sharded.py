@@ -1,7 +1,8 @@
 """`omnidraft generate` with the target split over two ranks (`mlx.launch -n 2 --backend ring`,
 over loopback; decode/ranks.py): the pair's greedy output equals plain decoding of the same
 split target and plain decoding in one process, tensor parallel (a tiny llama) and as a
-pipeline (a tiny qwen3_next: recurrent layers on both stages); rank 0 alone prints."""
+pipeline (a tiny qwen3_next: recurrent layers on both stages); rank 0 alone prints. `omnidraft doctor`
+shows the group."""
 
 import json
 import os
@@ -18,14 +19,22 @@ from tiny_models import corpus, train_tokenizer, write_model
 PROMPT = "def add_3(x):"
 
 
+def on_ranks(ranks: int, cmd: list[str]) -> list[str]:
+    """The command on `ranks` ranks of `mlx.launch --backend ring` over loopback (itself on one)."""
+    if ranks == 1:
+        return cmd
+    return [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)), "--", *cmd]
+
+
+def run(home, ranks: int, *args, **options) -> subprocess.CompletedProcess:
+    """`omnidraft ARGS` on `ranks` ranks, models and profiles under `home`."""
+    env = {**os.environ, "OMNIDRAFT_HOME": str(home)}
+    return subprocess.run(on_ranks(ranks, [OMNIDRAFT, *args]), capture_output=True, text=True, env=env, **options)
+
+
 def generate(home, ranks: int, *args) -> subprocess.CompletedProcess:
     """`omnidraft generate` on the prompt (greedy, no chat template, no profile), on `ranks` ranks."""
-    cmd = [OMNIDRAFT, "generate", PROMPT, "--raw", "--no-profile", "--max-tokens", "40", *args]
-    if ranks > 1:
-        cmd = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)), "--", *cmd]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMNIDRAFT_HOME": str(home)}
-    )
+    return run(home, ranks, "generate", PROMPT, "--raw", "--no-profile", "--max-tokens", "40", *args, timeout=120)
 
 
 def replies(home, draft, target, *args) -> dict[str, subprocess.CompletedProcess]:
@@ -99,3 +108,20 @@ def test_a_family_without_sharding_is_refused_in_one_line(tmp_path):
         "error: mlx-lm cannot split a gemma3_text model over 2 ranks (no tensor or pipeline sharding for the "
         "family): run it in one process, without mlx.launch"
     }
+
+
+def doctor_rows(home, ranks: int) -> list[list[str]]:
+    run_ = run(home, ranks, "doctor", timeout=300)
+    assert run_.returncode == 0, run_.stderr
+    return [re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in run_.stdout.splitlines()]
+
+
+def test_doctor_shows_the_group(tmp_path):
+    launched = doctor_rows(tmp_path, 2)
+    assert [row[0] for row in launched].count("platform") == 1  # rank 0 alone prints
+    group = {name: value for name, value in launched if name in ("group", "backend", "MLX_HOSTFILE")}
+    assert group.pop("MLX_HOSTFILE").startswith("/")  # the hosts file mlx.launch wrote
+    assert group == {"group": "rank 0 of 2 (mlx.launch)", "backend": "ring"}
+    alone = dict(row for row in doctor_rows(tmp_path, 1) if len(row) == 2)
+    assert alone["group"].startswith("a single process (to split a target over ranks: mlx.launch")
+    assert "backend" not in alone and "MLX_HOSTFILE" not in alone
