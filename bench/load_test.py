@@ -46,7 +46,8 @@ from omnidraft_mlx.profile.atomic import atomic_write_text
 
 class ServerProcess:
     """`omnidraft serve` in a child process on a free local port; ready once /health answers (asked
-    with `key`, or the --api-key among its args)."""
+    with `key`, or the --api-key among its args). launch: a launcher's command to start it under
+    (`mlx.launch ... --`), which runs the installed `omnidraft` script, as a user does."""
 
     def __init__(
         self,
@@ -57,6 +58,7 @@ class ServerProcess:
         env: dict | None = None,
         start_s: float = 600,
         key: str | None = None,
+        launch: tuple[str, ...] = (),
     ):
         import httpx
 
@@ -67,10 +69,13 @@ class ServerProcess:
         self.log = Path(log)
         key = key or (args[args.index("--api-key") + 1] if "--api-key" in args else None)
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        omnidraft = (
+            [*launch, str(Path(sys.executable).parent / "omnidraft")]
+            if launch
+            else [sys.executable, "-m", "omnidraft_mlx.cli.main"]
+        )
         argv = [
-            sys.executable,
-            "-m",
-            "omnidraft_mlx.cli.main",
+            *omnidraft,
             "serve",
             "--draft",
             draft,

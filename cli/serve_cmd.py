@@ -1,6 +1,8 @@
 """`omnidraft serve`: an OpenAI-compatible server that speculates, caches prompts and learns.
 
 The server is omnidraft_mlx/serve/server.py; this parses the flags and prints where it listens.
+Under `mlx.launch` the target is split over the ranks (--shard), rank 0 answers HTTP and the
+others follow (omnidraft_mlx/serve/follow.py).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def serve(
         128, "--max-connections", help="Open HTTP connections; past that a request gets 503 (keep below ulimit -n)."
     ),
     no_profile: bool = options.NO_PROFILE,
+    shard: str = options.SHARD,
     allowed_hosts: str = typer.Option(
         "",
         "--allowed-hosts",
@@ -107,8 +110,10 @@ def serve(
     flags = dict(locals())  # the flags as given, before the body adds names
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
+    from omnidraft_mlx.collectives import world
     from omnidraft_mlx.models.pull import CATALOG_RESOLVER
     from omnidraft_mlx.serve.config import ServeConfig
+    from omnidraft_mlx.serve.follow import on_ranks
     from omnidraft_mlx.serve.server import serve as run_server
     from omnidraft_mlx.settings import check_range
 
@@ -123,6 +128,7 @@ def serve(
         policy=options.draft_length(policy, gamma, k, max_k),
         spec=spec,
         cache_bytes=cache_bytes,
+        shard=shard,
         adapt=adapt,
         adapt_every=adapt_every,
         profile=not no_profile,
@@ -145,7 +151,14 @@ def serve(
         allowed_hosts=[host, *names(allowed_hosts)],
         cors=names(cors),
     )
-    warn_if_slow_blas(err_console)
+    group = world()
+    lead = group.rank() == 0  # the rank that answers HTTP and prints
+    if group.size() > 1:
+        cfg, said = on_ranks(cfg, group.size())
+        if lead:
+            console.print(f"[dim]{said}[/]")
+    if lead:
+        warn_if_slow_blas(err_console)
 
     def ready(engine) -> None:
         console.print(
@@ -159,7 +172,8 @@ def serve(
             + " | Ctrl-C stops"
         )
 
-    console.print(f"[dim]loading {draft} and {target}[/]")
+    if lead:
+        console.print(f"[dim]loading {draft} and {target}[/]")
     run_server(cfg, host, port, ready, resolver=CATALOG_RESOLVER)
 
 

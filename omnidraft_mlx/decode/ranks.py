@@ -17,11 +17,14 @@ its boundaries, three all_sums besides the target forward's own collectives:
 - take: the accepted path and the target's next token, in a buffer as long as the tree
   (collectives.share_tree: one all_sum).
 Every rank then verifies the same tree and keeps the same path (its KV and recurrent
-state roll back the same way). Across ranks the lead drafts chains, not trees
-(speculative.Decoding turns --tree off there): whether a rank's layers take a tree is
-its own (a pipeline stage's recurrent layers), and a probe run by one rank alone would
-wait forever on the others. Plain decoding (plain.py) decodes the lead's draws too
-(Ranks.sampler: one all_sum a token). On one rank (ALONE) every share is the identity.
+state roll back the same way). A reply the lead leaves before it is done (a server's stop
+string or a client gone: serve/follow.py) ends on every rank at the same round: the lead's
+end() comes in place of the next plan, and there the others' plan() raises Ended. Across
+ranks the lead drafts chains, not trees (speculative.Decoding turns --tree off there):
+whether a rank's layers take a tree is its own (a pipeline stage's recurrent layers), and
+a probe run by one rank alone would wait forever on the others. Plain decoding (plain.py)
+decodes the lead's draws too (Ranks.sampler: one all_sum a token). On one rank (ALONE)
+every share is the identity.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ from omnidraft_mlx.decode.tree import TokenTree
 from omnidraft_mlx.errors import OmniDraftError
 
 SHARDINGS = ("tensor", "pipeline")  # --shard: the way preferred where a family has both
+
+
+class Ended(Exception):
+    """The lead ended the reply before it was done (Ranks.end): no more rounds of it."""
 
 
 class Ranks:
@@ -57,6 +64,8 @@ class Ranks:
             broadcast_bytes(np.array([tree.chain, *tree.tokens, *tree.parents], np.int32).tobytes(), self.group)
             return proposed, tree
         sent = np.frombuffer(broadcast_bytes(b"", self.group), np.int32).tolist()
+        if not sent:  # a plan has at least its chain length
+            raise Ended
         n = (len(sent) - 1) // 2
         tree = TokenTree(sent[1 : 1 + n], sent[1 + n :], sent[0])
         return Round(Draft(tree.tokens, "lead"), None, looked_up=True), tree
@@ -72,6 +81,11 @@ class Ranks:
             sent[: len(path) + 2] = [y, len(path), *path]
         sent = np.array(share_tree(mx.array(sent), self.group))
         return sent[2 : 2 + sent[1]].tolist(), int(sent[0])
+
+    def end(self) -> None:
+        """The lead leaves a reply before it is done: the others' next plan() raises Ended."""
+        if self.group is not None and self.lead:
+            broadcast_bytes(b"", self.group)
 
     def sampler(self, sample: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
         """A sampler of mlx-lm's (plain decoding: plain.py) whose draw is the lead's on every rank, one

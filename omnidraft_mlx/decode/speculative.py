@@ -347,6 +347,8 @@ def round_together(decodings: list[Decoding], before: Callable[[str, int], None]
 def _verify(decodings: list[Decoding], planned: list[tuple[int, TokenTree]], before) -> list:
     """Each planned (index, tree)'s (logits, seconds) from one forward; failing that, from a forward
     of its own, or the exception that failed it."""
+    if not planned:  # every plan failed (on a follower of a split target: the lead ended the reply)
+        return []
 
     def forward(rows: list[tuple[int, TokenTree]]) -> list:
         for i, _ in rows:

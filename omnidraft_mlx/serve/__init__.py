@@ -7,8 +7,9 @@ chat route's request and back), engine decodes
 the active requests together a round at a time (admission: who waits, who is
 refused), jobs is a request's decode, text cuts stop strings and splits tool calls, tools speaks the target's
 tool-call format, logprobs gives the target's log-probabilities (learning from
-replies is learn.online's, as chat's is).
+replies is learn.online's, as chat's is); follow runs it over the ranks of mlx.launch (rank 0
+answers, the others decode the same replies).
 Nothing imports serve but the CLI.
-May import: decode, learn, profile, vocab, anatomy, errors, failpoints, loading, pair, paths, prompts,
+May import: decode, learn, profile, vocab, anatomy, collectives, errors, failpoints, loading, pair, paths, prompts,
 settings, tasks, timing.
 """

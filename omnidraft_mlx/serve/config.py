@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from omnidraft_mlx.decode.policy import PolicyConfig
 from omnidraft_mlx.decode.promptcache import DEFAULT_CACHE_BYTES
+from omnidraft_mlx.decode.ranks import SHARDINGS
 from omnidraft_mlx.decode.speculative import SpecConfig
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.serve.keys import check_key
@@ -39,6 +40,7 @@ class ServeConfig:
     # max_tokens replace these (SpecConfig.for_reply).
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(max_tokens=512))
     cache_bytes: int = setting(DEFAULT_CACHE_BYTES, flag="--cache-bytes", low=0)
+    shard: str = setting("tensor", flag="--shard", choices=SHARDINGS)  # under mlx.launch: how the target is split
     adapt: bool = True  # drafter updates between requests
     adapt_every: int = setting(4, flag="--adapt-every", low=1)  # replies gathered per drafter update
     profile: bool = True  # load and save the pair's profile

@@ -18,13 +18,15 @@ measured on each request serves them all. The engine runs in the main thread (ML
 work there: a process whose other threads ran a model aborts at exit). A request whose client
 went away leaves the queue, its prefill or its row before the next round. When no request is
 active and the queue is empty, the pair learns and saves (learn/online.py); under constant
-load it saves between two rounds too.
+load it saves between two rounds too. Over the ranks of mlx.launch (a split target) the other
+ranks decode each reply beside this one (follow.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 import time
 import traceback
 from collections import Counter
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from omnidraft_mlx.collectives import lost_a_rank
 from omnidraft_mlx.decode.kvcache import PREFILL_CHUNK
 from omnidraft_mlx.decode.speculative import round_together
 from omnidraft_mlx.errors import OmniDraftError
@@ -40,6 +43,7 @@ from omnidraft_mlx.failpoints import failpoint
 from omnidraft_mlx.learn.online import Learning, make_learner
 from omnidraft_mlx.paths import LOCAL, Resolver
 from omnidraft_mlx.serve.admission import Waiting, prompt_left, shutting_down, turn
+from omnidraft_mlx.serve.follow import stop_following
 from omnidraft_mlx.serve.jobs import Job, Jobs, Prefill, Running
 from omnidraft_mlx.serve.schema import ApiError
 
@@ -97,15 +101,18 @@ class Engine:
         from omnidraft_mlx.decode.policy import make_policy
         from omnidraft_mlx.decode.promptcache import PromptCache
         from omnidraft_mlx.decode.scheduler import Scheduler
-        from omnidraft_mlx.loading import open_pair
+        from omnidraft_mlx.loading import load_model, open_pair
         from omnidraft_mlx.pair import context_limit
 
         cfg = self.cfg
         # The profile's adapter goes into the drafter: fused, or trainable when learning goes on.
+        # Under mlx.launch the target is split over the ranks (cfg.shard).
+        loaded = (*load_model(cfg.draft, self.resolver), *load_model(cfg.target, self.resolver, cfg.shard))
         opened = open_pair(
             cfg.draft,
             cfg.target,
             resolver=self.resolver,
+            loaded=loaded,
             profile=cfg.profile,
             trainable=cfg.adapt,
             policy=make_policy(cfg.policy),
@@ -133,6 +140,8 @@ class Engine:
             try:
                 self._step()
             except Exception as e:
+                if lost_a_rank(e):  # under mlx.launch: the ranks can no longer decode together
+                    raise
                 log.error("the engine's round failed; its requests fail:\n%s", traceback.format_exc())
                 for job in list(self.active):
                     self._drop(job, e)
@@ -164,19 +173,31 @@ class Engine:
         together: what feeds in about PAUSE_S at the rate measured so far, at most a chunk. So a burst
         of new requests or a long prompt waits a round or more, and the streams under way do not stall
         for it; with none under way, a request that arrives while a long prompt is fed waits about
-        PAUSE_S for its turn, not a whole chunk's time (on a slow machine, many seconds)."""
+        PAUSE_S for its turn, not a whole chunk's time (on a slow machine, many seconds). Over ranks:
+        whole prompts (follow.py)."""
+        if self.pair.ranks.group is not None:
+            return sys.maxsize
         if self.prefill_rate is None:
             return MIN_CHUNK
         return int(min(PREFILL_CHUNK, max(MIN_CHUNK, self.prefill_rate * PAUSE_S)))
 
     def shutdown(self) -> None:
-        """The running and the queued requests get an error, not silence; then save what was learned."""
+        """The running and the queued requests get an error, not silence; then save what was learned;
+        then the other ranks of mlx.launch, if any, end the reply under way and stop (follow.py)."""
         stopping = shutting_down()
+        ending = [r.decoding for r in self.active if not r.decoding.done]
         jobs = [r.job for r in self.active] + [p.job for p in self.prefilling] + self.waiting.close()
         self.active, self.prefilling = [], []
         for job in jobs:
             job.emit("error", stopping)
         self.learning.close()
+        try:
+            for _ in ending:
+                self.pair.ranks.end()
+            stop_following(self.pair.ranks)
+        except RuntimeError as e:  # a rank has ended: none is left to stop
+            if not lost_a_rank(e):
+                raise
 
     def _fits(self, job: Job) -> bool:
         """Room in --cache-bytes for the caches of the active requests, the prompts being fed and
@@ -325,10 +346,14 @@ class Engine:
         self._fail(running.job, error)
 
     def _fail(self, job: Job, error: Exception) -> None:
+        """Tell the job's client; a rank of mlx.launch that has ended ends the server (raised)."""
         self.failed += 1
         if isinstance(error, OmniDraftError):
             job.emit("error", ApiError(400, str(error)))
             return
+        if lost_a_rank(error):
+            job.emit("error", ApiError(503, "a rank of the server has ended", kind="server_error"))
+            raise error
         log.error("generation failed:\n%s", "".join(traceback.format_exception(error)))
         job.emit(
             "error",

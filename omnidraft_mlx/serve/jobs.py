@@ -25,6 +25,7 @@ from omnidraft_mlx.decode.drafter import draft_context
 from omnidraft_mlx.decode.promptcache import CacheUse
 from omnidraft_mlx.failpoints import armed, failpoint
 from omnidraft_mlx.pair import reply_room
+from omnidraft_mlx.serve.follow import share_job
 from omnidraft_mlx.serve.logprobs import token_logprobs
 from omnidraft_mlx.serve.schema import ApiError, ChatRequest, Sampling, stop_strings
 from omnidraft_mlx.serve.text import ReplyText
@@ -146,24 +147,32 @@ class Jobs:
         prefill = prefill or self.begin(job)
         stats, rows = SpecStats(), []
         reply = ReplyText(self.pair.vmap.target_bytes, job.stops, job.tools, job.emit)
-        decoding = self.prompt_cache.start(
-            self.pair,
-            job.draft_ids,
-            job.target_ids,
-            job.spec,
-            stats,
-            self.policy,
-            prefill.use,
-            slots=prefill.slots,
-            history=self.history,
-            learn_history=self.cfg.learns_from(job.key_name),
-            scheduler=scheduler,
-            on_logits=rows.append if job.logprobs is not None else None,
-        )
+        share_job(self.pair.ranks, job.target_ids, job.spec)  # under mlx.launch the others decode it too
+        try:
+            decoding = self.prompt_cache.start(
+                self.pair,
+                job.draft_ids,
+                job.target_ids,
+                job.spec,
+                stats,
+                self.policy,
+                prefill.use,
+                slots=prefill.slots,
+                history=self.history,
+                learn_history=self.cfg.learns_from(job.key_name),
+                scheduler=scheduler,
+                on_logits=rows.append if job.logprobs is not None else None,
+            )
+        except Exception:
+            self.pair.ranks.end()  # the others' reply ends before its first round
+            raise
         return Running(job, decoding, stats, prefill.use, reply, rows)
 
     def finish(self, running: Running, intact: bool = True) -> tuple[Result, list[int]]:
-        """Give the running job's caches back to the prompt cache; (its result, the reply's target ids)."""
+        """Give the running job's caches back to the prompt cache; (its result, the reply's target ids).
+        A reply left before its decoding is done ends on the other ranks of mlx.launch too (follow.py)."""
+        if not running.decoding.done:
+            self.pair.ranks.end()
         failpoint("finish", running.job.label)
         self.prompt_cache.finish(running.decoding, intact, running.job.key_name)
         finish = running.finish_reason or "cancelled"

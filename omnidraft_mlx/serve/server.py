@@ -3,7 +3,8 @@
 This module starts it: the engine (engine.py) loads the pair and decodes
 in the main thread, the HTTP server (uvicorn, serving routes.py's app)
 runs in another; Ctrl-C or SIGTERM stops both, and what the pair learned is
-saved. The parts, each its own module in serve/:
+saved. Under mlx.launch rank 0 does all this and the other ranks follow (follow.py).
+The parts, each its own module in serve/:
   config.py      the server's settings (ServeConfig)
   schema.py      the OpenAI request bodies, checked; ApiError
   routes.py      the FastAPI app: routes, error bodies, the API key
@@ -27,13 +28,18 @@ import logging
 import signal
 import threading
 import time
+from contextlib import nullcontext
 
+from omnidraft_mlx.collectives import handle_signals, world
 from omnidraft_mlx.errors import OmniDraftError
 from omnidraft_mlx.paths import LOCAL, Resolver
 from omnidraft_mlx.serve.config import ServeConfig
 from omnidraft_mlx.serve.engine import Engine
+from omnidraft_mlx.serve.follow import follow
 from omnidraft_mlx.serve.keys import load_keys
 from omnidraft_mlx.serve.routes import make_app
+
+log = logging.getLogger("omnidraft.serve")
 
 
 def loopback(host: str) -> bool:
@@ -52,13 +58,19 @@ def serve(
     resolver: Resolver = LOCAL,
 ) -> None:
     """Load the pair (its models found by `resolver`), serve until interrupted (Ctrl-C,
-    SIGTERM), then save what was learned."""
+    SIGTERM), then save what was learned. Under mlx.launch the ranks other than 0 follow."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    group = world()
+    if group.rank() > 0:
+        engine = Engine(cfg, resolver)
+        engine.load()
+        follow(engine.pair)
+        return
     keys = load_keys(cfg.api_key, cfg.api_keys_file)  # a bad keys file stops it before the models load
     if keys is None and not loopback(host):
-        logging.getLogger("omnidraft.serve").warning(
+        log.warning(
             "WARNING: serving on %s with NO API KEY: anyone who can reach this address can use the models "
             "and read their replies. Give --api-key or --api-keys-file, or --host 127.0.0.1.",
             host,
@@ -82,14 +94,29 @@ def serve(
             raise OmniDraftError(f"could not listen on {host}:{port}: is another server using that port?")
         time.sleep(0.05)
     on_ready(engine)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
-    try:
-        engine.run(web.is_alive)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a second one must not cut the final save short
-            signal.signal(sig, signal.SIG_IGN)
-        http.should_exit = True  # lets the open requests end (they get the shutdown error), then stops
-        engine.shutdown()
-        web.join()
+    stop = threading.Event()
+    if group.size() == 1:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
+        signals = nullcontext()
+    else:  # the engine stops between two steps, never inside a round the other ranks share (follow.py)
+        signals = handle_signals(
+            lambda signum, _: _stop(stop, signum), (signal.SIGINT, signal.SIGTERM), group, log.warning
+        )
+    with signals:
+        try:
+            engine.run(lambda: web.is_alive() and not stop.is_set())
+        except KeyboardInterrupt:
+            pass
+        finally:
+            # A second one must not cut the final save short (over ranks it is _stop's: the save comes
+            # first, and a lead left waiting on a rank that ended must still end: handle_signals).
+            for sig in (signal.SIGINT, signal.SIGTERM) if group.size() == 1 else ():
+                signal.signal(sig, signal.SIG_IGN)
+            http.should_exit = True  # lets the open requests end (they get the shutdown error), then stops
+            engine.shutdown()
+            web.join()
+
+
+def _stop(stop: threading.Event, signum: int) -> None:
+    log.warning("%s: stopping after the round under way", signal.Signals(signum).name)
+    stop.set()
