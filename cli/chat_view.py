@@ -102,7 +102,9 @@ def command(session: ChatSession, line: str) -> tuple[str, bool]:
         if arg not in ("on", "off"):
             raise OmniDraftError("use /adapt on or /adapt off")
         if session.learner is None:
-            raise OmniDraftError("drafter learning is off for this session (started with --no-adapt, or it failed)")
+            raise OmniDraftError(
+                "drafter learning is off for this session (started with --no-adapt or under mlx.launch, or it failed)"
+            )
         session.cfg.adapt = arg == "on"
         return f"drafter learning {arg}", False
     raise OmniDraftError(f"unknown command {name}: /help lists them")

@@ -6,6 +6,10 @@ and runs one speculative generation over it; both models' KV caches are kept
 across turns (promptcache.PromptCache), so a turn prefills only what is new
 since the last reply. The terminal UI (commands, help, display) lives in
 cli/chat_cmd.py and cli/chat_view.py.
+
+With the target split over the ranks of mlx.launch (decode/ranks.py) the lead (rank 0)
+converses; before each reply it shares the message and the conversation (share_turn), so
+every rank encodes the same prompts and decodes the same reply with it (follow).
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ import json
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from omnidraft_mlx.collectives import broadcast_bytes
 from omnidraft_mlx.decode.lookup import HistoryIndex
 from omnidraft_mlx.decode.policy import DraftPolicy
 from omnidraft_mlx.decode.promptcache import CacheUse, PromptCache
+from omnidraft_mlx.decode.ranks import Ended
 from omnidraft_mlx.decode.scheduler import Scheduler
 from omnidraft_mlx.decode.speculative import SpecConfig, SpecStats
 from omnidraft_mlx.errors import OmniDraftError
@@ -220,6 +226,36 @@ class ChatSession:
                     yield piece, d
         finally:
             reply.text += out.finish()
+
+    def share_turn(self, text: str | None) -> str | None:
+        """The lead's message (None: the chat ends) on every rank, and on the others its conversation
+        too (its /reset, /load and trimming included): the same prompts everywhere. The lead passes
+        its message, the others None; in one process, text itself."""
+        ranks = self.pair.ranks
+        if ranks.group is None:
+            return text
+        mine = json.dumps({"text": text, "conversation": asdict(self.conv)}) if ranks.lead and text is not None else ""
+        sent = broadcast_bytes(mine.encode(), ranks.group)
+        if not sent:
+            return None
+        turn = json.loads(sent)
+        self.conv = Conversation(**turn["conversation"])
+        return turn["text"]
+
+    def follow(self) -> None:
+        """A rank other than the lead: decode every reply the lead decodes, showing nothing, until
+        the lead ends the chat, between replies or inside one (Ended)."""
+        while (text := self.share_turn(None)) is not None:
+            try:
+                reply = self.start(text)
+            except OmniDraftError:
+                continue  # the lead's start refused it too (too long for the context)
+            try:
+                for _ in self.stream(reply):
+                    pass
+            except Ended:
+                return
+            self.finish(reply)
 
     @property
     def learner(self) -> OnlineLearner | None:

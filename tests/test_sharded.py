@@ -1,8 +1,8 @@
 """`omnidraft generate` with the target split over two ranks (`mlx.launch -n 2 --backend ring`,
 over loopback; decode/ranks.py): the pair's greedy output equals plain decoding of the same
 split target and plain decoding in one process, tensor parallel (a tiny llama) and as a
-pipeline (a tiny qwen3_next: recurrent layers on both stages); rank 0 alone prints. `omnidraft doctor`
-shows the group."""
+pipeline (a tiny qwen3_next: recurrent layers on both stages); rank 0 alone prints. `omnidraft chat`
+on two ranks answers as in one process and Ctrl-C ends every rank; `omnidraft doctor` shows the group."""
 
 import json
 import os
@@ -11,8 +11,10 @@ import shutil
 import subprocess
 
 import mlx.core as mx
+import pexpect
 from architectures import build, config
 from mlx.utils import tree_flatten
+from test_chat import endless_target
 from test_distributed import LAUNCH, OMNIDRAFT, free_ports
 from tiny_models import corpus, train_tokenizer, write_model
 
@@ -125,3 +127,37 @@ def test_doctor_shows_the_group(tmp_path):
     alone = dict(row for row in doctor_rows(tmp_path, 1) if len(row) == 2)
     assert alone["group"].startswith("a single process (to split a target over ranks: mlx.launch")
     assert "backend" not in alone and "MLX_HOSTFILE" not in alone
+
+
+def chat_replies(home, ranks: int, tiny_dirs) -> list[str]:
+    """What `omnidraft chat` on `ranks` ranks prints after each of two messages piped in (greedy, 24
+    tokens): the reply and its notes, without the statistics line (timings)."""
+    pair = ["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--max-tokens", "24"]
+    chat = run(home, ranks, "chat", *pair, input="def add_3(x):\nprint(add_\n/quit\n", timeout=300)
+    assert chat.returncode == 0, chat.stderr
+    return [re.sub(r"\n\d+ tokens, .*\n$", "", turn) for turn in chat.stdout.split("you> ")[1:-1]]
+
+
+def test_chat_on_two_ranks_answers_as_one_process(tmp_path, tiny_dirs):
+    alone = chat_replies(tmp_path / "alone", 1, tiny_dirs)
+    assert len(alone) == 2 and all(len(reply) > 24 for reply in alone)
+    # The second reply's prompt holds the first exchange; rank 1 prints nothing (two replies, not four).
+    assert chat_replies(tmp_path / "ranks", 2, tiny_dirs) == alone
+
+
+def test_ctrl_c_ends_a_chat_on_every_rank_with_its_profile_saved(tmp_path, tiny_dirs):
+    # A terminal's Ctrl-C reaches mlx.launch and both ranks; the reply would otherwise run on for minutes.
+    dirs = endless_target(tiny_dirs, tmp_path)
+    pair = ["--draft", str(dirs["draft"]), "--target", str(dirs["target"])]
+    launch, *args = on_ranks(2, [OMNIDRAFT, "chat", *pair, "--max-tokens", "100000", "--policy", "fixed"])
+    env = dict(os.environ, OMNIDRAFT_HOME=str(tmp_path / "home"), TERM="xterm")
+    chat = pexpect.spawn(launch, ["--verbose", *args], env=env, encoding="utf-8", timeout=120)
+    chat.expect_exact("you> ")
+    chat.sendline("def add_3(x):")
+    chat.expect("return")  # streaming has begun
+    chat.sendintr()
+    chat.expect(pexpect.EOF)
+    for rank in (0, 1):  # mlx.launch --verbose: each exited 0
+        assert f"Node with rank {rank} completed" in chat.before
+    shown = run(tmp_path / "home", 1, "profile", "show", *pair, timeout=60)
+    assert shown.returncode == 0 and "last saved" in shown.stdout, shown.stderr  # saved after the stopped reply
