@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 
 import mlx.core as mx
@@ -28,10 +29,18 @@ def on_ranks(ranks: int, cmd: list[str]) -> list[str]:
     return [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)), "--", *cmd]
 
 
-def run(home, ranks: int, *args, **options) -> subprocess.CompletedProcess:
-    """`omnidraft ARGS` on `ranks` ranks, models and profiles under `home`."""
-    env = {**os.environ, "OMNIDRAFT_HOME": str(home)}
-    return subprocess.run(on_ranks(ranks, [OMNIDRAFT, *args]), capture_output=True, text=True, env=env, **options)
+def run(home, ranks: int, *args, timeout: float, input: str | None = None) -> subprocess.CompletedProcess:
+    """`omnidraft ARGS` on `ranks` ranks, models and profiles under `home`. Past the timeout the ranks
+    are killed with the launcher (its process group), so that none left waiting holds a core."""
+    cmd, env = on_ranks(ranks, [OMNIDRAFT, *args]), {**os.environ, "OMNIDRAFT_HOME": str(home)}
+    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with subprocess.Popen(cmd, env=env, start_new_session=True, **pipes) as proc:
+        try:
+            out, err = proc.communicate(input, timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def generate(home, ranks: int, *args) -> subprocess.CompletedProcess:
@@ -129,20 +138,35 @@ def test_doctor_shows_the_group(tmp_path):
     assert "backend" not in alone and "MLX_HOSTFILE" not in alone
 
 
-def chat_replies(home, ranks: int, tiny_dirs) -> list[str]:
-    """What `omnidraft chat` on `ranks` ranks prints after each of two messages piped in (greedy, 24
-    tokens): the reply and its notes, without the statistics line (timings)."""
-    pair = ["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--max-tokens", "24"]
-    chat = run(home, ranks, "chat", *pair, input="def add_3(x):\nprint(add_\n/quit\n", timeout=300)
+def chat_replies(home, ranks: int, tiny_dirs, lines: list[str], max_tokens: int = 24) -> list[str]:
+    """What `omnidraft chat` on `ranks` ranks prints after each line piped in (greedy): a reply and its
+    notes, without the statistics line (timings), or what a command says."""
+    pair = ["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"]), "--max-tokens", str(max_tokens)]
+    # --no-adapt: no drafter update between replies in one process either (off across ranks).
+    chat = run(home, ranks, "chat", *pair, "--no-adapt", input="\n".join([*lines, "/quit", ""]), timeout=300)
     assert chat.returncode == 0, chat.stderr
     return [re.sub(r"\n\d+ tokens, .*\n$", "", turn) for turn in chat.stdout.split("you> ")[1:-1]]
 
 
 def test_chat_on_two_ranks_answers_as_one_process(tmp_path, tiny_dirs):
-    alone = chat_replies(tmp_path / "alone", 1, tiny_dirs)
+    lines = ["def add_3(x):", "print(add_"]
+    alone = chat_replies(tmp_path / "alone", 1, tiny_dirs, lines)
     assert len(alone) == 2 and all(len(reply) > 24 for reply in alone)
     # The second reply's prompt holds the first exchange; rank 1 prints nothing (two replies, not four).
-    assert chat_replies(tmp_path / "ranks", 2, tiny_dirs) == alone
+    assert chat_replies(tmp_path / "ranks", 2, tiny_dirs, lines) == alone
+
+
+def test_chat_on_two_ranks_reuses_the_same_prompt_cache_on_both(tmp_path, tiny_dirs):
+    # Rank 0 alone keeps the drafter's caches beside the target's: after 33 conversations its prompt
+    # cache (64 sequences) has let the first one go, rank 1's has not. Back to the first, both ranks
+    # must still prefill the same tokens.
+    saved = tmp_path / "first.json"
+    lines = ["def add_0(x):", f"/save {saved}", "/reset"]
+    lines += [line for i in range(1, 33) for line in (f"def add_{i}(x):", "/reset")]
+    lines += [f"/load {saved}", "print(add_"]
+    alone = chat_replies(tmp_path / "alone", 1, tiny_dirs, lines, max_tokens=4)
+    assert len(alone) == len(lines) and alone[-1] != alone[0]
+    assert chat_replies(tmp_path / "ranks", 2, tiny_dirs, lines, max_tokens=4) == alone
 
 
 def test_ctrl_c_ends_a_chat_on_every_rank_with_its_profile_saved(tmp_path, tiny_dirs):

@@ -23,8 +23,10 @@ end() comes in place of the next plan, and there the others' plan() raises Ended
 ranks the lead drafts chains, not trees (speculative.Decoding turns --tree off there):
 whether a rank's layers take a tree is its own (a pipeline stage's recurrent layers), and
 a probe run by one rank alone would wait forever on the others. Plain decoding (plain.py)
-decodes the lead's draws too (Ranks.sampler: one all_sum a token). On one rank (ALONE)
-every share is the identity.
+decodes the lead's draws too (Ranks.sampler: one all_sum a token). Before a reply's
+prefill the ranks keep the shortest of their cached prefixes (Ranks.least): each rank's
+prompt cache holds its own part of the heads or layers and evicts by its own byte count,
+and every rank must feed the same tokens. On one rank (ALONE) every share is the identity.
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ class Ranks:
             sent[: len(path) + 2] = [y, len(path), *path]
         sent = np.array(share_tree(mx.array(sent), self.group))
         return sent[2 : 2 + sent[1]].tolist(), int(sent[0])
+
+    def least(self, n: int) -> int:
+        """The smallest of every rank's n (one all_gather; n itself in one process)."""
+        if self.group is None:
+            return n
+        return int(np.array(mx.distributed.all_gather(mx.array([n]), group=self.group, stream=mx.cpu)).min())
 
     def end(self) -> None:
         """The lead leaves a reply before it is done: the others' next plan() raises Ended."""

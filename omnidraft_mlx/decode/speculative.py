@@ -255,6 +255,9 @@ class Decoding:
         t_start = time.perf_counter()
         self.target = target = target_slot or KVSlot.fresh(pair.target)
         self.draft_slot = draft_slot
+        if pair.ranks.group is not None:  # every rank prefills the same tokens, whatever its own cache held
+            target.rewind(pair.ranks.least(target.common_prefix(target_prompt[:-1])))
+            target.rewind(pair.ranks.least(len(target.tokens)))  # a recurrent state that went back to none
         stats.cached_tokens = min(target.common_prefix(target_prompt), len(target_prompt) - 1)
         target.reuse(pair.target, target_prompt[:-1])
         self.scheduler = scheduler or Scheduler()
