@@ -171,27 +171,27 @@ def handle_signals(
     try:
         yield
     finally:
+        signal.set_wakeup_fd(previous_fd)  # before the watcher closes its end (done)
         done.set()
-        signal.set_wakeup_fd(previous_fd)
         wake.close()
         for sig, old in previous.items():
             signal.signal(sig, old)
 
 
 def _end_when_stuck(woken: socket.socket, signals, done: threading.Event, group, say) -> None:
-    with woken:
+    with woken:  # open while the wakeup fd may be written to (a further signal): a closed one fails the write
         while (data := woken.recv(64)) and not any(s in signals for s in data):
             pass
-    main, seen, since = threading.main_thread().ident, None, time.monotonic()
-    while not done.wait(0.5):
-        frame = sys._current_frames().get(main)
-        if frame is None:
-            return
-        if seen is None or frame is not seen[0] or frame.f_lasti != seen[1]:
-            seen, since = (frame, frame.f_lasti), time.monotonic()
-        elif time.monotonic() - since > STUCK_S:
-            say(
-                f"rank {group.rank()}: stopping, but this rank has waited {STUCK_S:g} s in one call (on a rank that "
-                "has ended?): ending now; what was saved is kept"
-            )
-            os._exit(1)
+        main, seen, since = threading.main_thread().ident, None, time.monotonic()
+        while not done.wait(0.5):
+            frame = sys._current_frames().get(main)
+            if frame is None:
+                return
+            if seen is None or frame is not seen[0] or frame.f_lasti != seen[1]:
+                seen, since = (frame, frame.f_lasti), time.monotonic()
+            elif time.monotonic() - since > STUCK_S:
+                say(
+                    f"rank {group.rank()}: stopping, but this rank has waited {STUCK_S:g} s in one call (on a rank "
+                    "that has ended?): ending now; what was saved is kept"
+                )
+                os._exit(1)

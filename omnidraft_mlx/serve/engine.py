@@ -76,6 +76,7 @@ class Engine:
         self.released = time.monotonic()  # when freed memory last went back to the system
         self.jobs: Jobs | None = None  # set by load()
         self.learning: Learning | None = None
+        self.lost_rank = False  # under mlx.launch a rank has ended: no collective may run any more
 
     @property
     def pair(self):
@@ -141,6 +142,7 @@ class Engine:
                 self._step()
             except Exception as e:
                 if lost_a_rank(e):  # under mlx.launch: the ranks can no longer decode together
+                    self.lost_rank = True
                     raise
                 log.error("the engine's round failed; its requests fail:\n%s", traceback.format_exc())
                 for job in list(self.active):
@@ -191,13 +193,11 @@ class Engine:
         for job in jobs:
             job.emit("error", stopping)
         self.learning.close()
-        try:
-            for _ in ending:
-                self.pair.ranks.end()
-            stop_following(self.pair.ranks)
-        except RuntimeError as e:  # a rank has ended: none is left to stop
-            if not lost_a_rank(e):
-                raise
+        if self.lost_rank:  # a collective now may wait for ever
+            return
+        for _ in ending:
+            self.pair.ranks.end()
+        stop_following(self.pair.ranks)
 
     def _fits(self, job: Job) -> bool:
         """Room in --cache-bytes for the caches of the active requests, the prompts being fed and
@@ -341,8 +341,9 @@ class Engine:
         self.active.remove(running)
         try:
             self.jobs.finish(running, intact=False)
-        except Exception:
-            log.error("closing a failed request's decoding failed:\n%s", traceback.format_exc())
+        except Exception as e:
+            if not lost_a_rank(e):  # that one is said once, by _fail
+                log.error("closing a failed request's decoding failed:\n%s", traceback.format_exc())
         self._fail(running.job, error)
 
     def _fail(self, job: Job, error: Exception) -> None:
