@@ -239,7 +239,8 @@ class ChatSession:
         if not sent:
             return None
         turn = json.loads(sent)
-        self.conv = Conversation(**turn["conversation"])
+        if not ranks.lead:
+            self.conv = Conversation(**turn["conversation"])
         return turn["text"]
 
     def follow(self) -> None:
