@@ -172,7 +172,7 @@ def _open_session(draft: str, target: str, system: str | None, cfg, policy_cfg, 
     from omnidraft_mlx.cli.main import console
     from omnidraft_mlx.decode.policy import make_policy
     from omnidraft_mlx.learn.online import make_learner
-    from omnidraft_mlx.loading import load_model, open_pair
+    from omnidraft_mlx.loading import open_pair
     from omnidraft_mlx.models.pull import CATALOG_RESOLVER
 
     with console.status(f"loading {draft} and {target}"):
@@ -181,7 +181,7 @@ def _open_session(draft: str, target: str, system: str | None, cfg, policy_cfg, 
             draft,
             target,
             resolver=CATALOG_RESOLVER,
-            loaded=(*load_model(draft, CATALOG_RESOLVER), *load_model(target, CATALOG_RESOLVER, shard)),
+            shard=shard,
             profile=not no_profile,
             trainable=cfg.adapt,
             policy=make_policy(policy_cfg),

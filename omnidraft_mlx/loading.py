@@ -57,6 +57,7 @@ def open_pair(
     *,
     resolver: Resolver = LOCAL,
     loaded: tuple | None = None,
+    shard: str | None = None,
     profile: bool = True,
     trainable: bool = False,
     profile_path: Path | None = None,
@@ -69,7 +70,7 @@ def open_pair(
     is made; the policy's head and the history take in what the profile saved of them).
 
     loaded: (draft model, draft tokenizer, target model, target tokenizer) when the caller
-    loaded them already (a target split over ranks: load_model's shard); profile=False ignores
+    loaded them already; shard: load_model's, for the target (split over the ranks of mlx.launch); profile=False ignores
     the profile (nothing is attached or saved; so on the ranks other than the lead of a split
     target, which draft nothing: decode/ranks.py);
     trainable keeps the adapter trainable (for learning) instead of fused; profile_path reads
@@ -79,7 +80,7 @@ def open_pair(
     not for a split target, whose forwards every rank must run: its rounds measure it)."""
     if loaded is None:
         draft_model, draft_tok = load_model(draft, resolver)
-        target_model, target_tok = load_model(target, resolver)
+        target_model, target_tok = load_model(target, resolver, shard)
     else:
         draft_model, draft_tok, target_model, target_tok = loaded
     ranks = ranks_of(target_model)

@@ -102,18 +102,17 @@ class Engine:
         from omnidraft_mlx.decode.policy import make_policy
         from omnidraft_mlx.decode.promptcache import PromptCache
         from omnidraft_mlx.decode.scheduler import Scheduler
-        from omnidraft_mlx.loading import load_model, open_pair
+        from omnidraft_mlx.loading import open_pair
         from omnidraft_mlx.pair import context_limit
 
         cfg = self.cfg
         # The profile's adapter goes into the drafter: fused, or trainable when learning goes on.
         # Under mlx.launch the target is split over the ranks (cfg.shard).
-        loaded = (*load_model(cfg.draft, self.resolver), *load_model(cfg.target, self.resolver, cfg.shard))
         opened = open_pair(
             cfg.draft,
             cfg.target,
             resolver=self.resolver,
-            loaded=loaded,
+            shard=cfg.shard,
             profile=cfg.profile,
             trainable=cfg.adapt,
             policy=make_policy(cfg.policy),
