@@ -221,6 +221,18 @@ def title_of(result: dict) -> str:
     )
 
 
+def round_line(cost: dict) -> str:
+    """What a round trip of the target cost in the run (round_cost.py), in one line."""
+    widths = cost["widths"]
+    forward = "/".join(f"{w['forward_ms']:.1f}" for w in widths.values())
+    line = f"target forward over {'/'.join(widths)} tokens: {forward} ms"
+    if cost["ranks"] == 1:
+        return line + " (one process)"
+    held = ", ".join(f"{n} {kind}" for kind, n in cost["collectives"].items())
+    alone = "/".join(f"{w['collective_ms']:.2f}" for w in widths.values())
+    return f"{line} on {cost['ranks']} ranks ({cost['shard']}): {held} a forward, one alone {alone} ms"
+
+
 def write_results(result: dict, out: Path, console) -> dict[str, Path]:
     """bench.json, summary.md and the plots under `out`; prints the table."""
     from omnidraft_mlx.bench.plots import write_plots
@@ -234,6 +246,8 @@ def write_results(result: dict, out: Path, console) -> dict[str, Path]:
     wide = Console(width=250, file=io.StringIO(), highlight=False)
     wide.print(t)
     text = "\n".join(line.rstrip() for line in wide.file.getvalue().strip().splitlines()) + "\n"
+    if result.get("round_cost"):
+        text += "\n" + round_line(result["round_cost"]) + "\n"
     atomic_write_text(files["table"], text)
     # A terminal gets the table fitted to it; a pipe or file gets it whole.
     console.print(t) if console.is_terminal else console.out(text, highlight=False)

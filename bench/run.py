@@ -1,4 +1,4 @@
-"""Run decoders side by side on the same prompts, in one process.
+"""Run decoders side by side on the same prompts, in one run.
 
 Every method decodes every prompt; methods run interleaved prompt by prompt in
 a rotating order, so drift of the machine (heat, other load) hits all of them
@@ -11,7 +11,13 @@ Methods:
 - `plain`: the target alone (mlx-lm's generate_step), the baseline of every speedup;
 - `ours-k{k}` / `ours-k{k}-tokens`: our speculative decoding, draft translated
   as text (default) or token by token;
-- `mlxlm-k{k}`: mlx-lm's own speculative decoding (same-vocabulary pairs only).
+- `mlxlm-k{k}`: mlx-lm's own speculative decoding (same-vocabulary pairs only, one process).
+
+Under mlx.launch the target is split over the ranks (--shard), every rank runs the
+whole bench in step (each target forward is a collective), and rank 0 writes the
+results: each record's `share_s` is the time the round's shares of the lead's draft
+and decision took (decode/ranks.py), and `round_cost` what a forward and its
+collectives cost (round_cost.py), for the time spent in communication.
 
 Timing follows the engine's split: `ttft_s` is prompt processing (both
 models), `generate_s` everything after it; tokens/s counts generated tokens
@@ -39,6 +45,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from omnidraft_mlx.bench.agent import AGENT_STEPS, agent_prompts
 from omnidraft_mlx.bench.report import prompt_speedup
+from omnidraft_mlx.bench.round_cost import round_cost
 from omnidraft_mlx.bench.usecases import USE_CASES, edit_prompts, file_prompts, multiturn_prompts, prompt_ids
 from omnidraft_mlx.decode.drafter import output_head
 from omnidraft_mlx.decode.drafts import SOURCES
@@ -47,6 +54,7 @@ from omnidraft_mlx.decode.lookup import HistoryIndex
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
 from omnidraft_mlx.decode.policy import POLICIES, DraftPolicy, LearnedPolicy, OraclePolicy, PolicyConfig, make_policy
 from omnidraft_mlx.decode.promptcache import PromptCache
+from omnidraft_mlx.decode.ranks import SHARDINGS
 from omnidraft_mlx.decode.scheduler import Scheduler
 from omnidraft_mlx.decode.speculative import SAMPLING_MODES, SpecConfig, SpecStats, speculative_generate
 from omnidraft_mlx.errors import OmniDraftError
@@ -90,6 +98,7 @@ class BenchConfig:
     seed: int = 0  # prompt i samples with seed + i (every method alike)
     prompts_file: str | None = None  # the user's prompts (JSONL), task "file"
     fixed: bool = True  # drafter methods per --k (else only the --policy ones)
+    shard: str = setting("tensor", flag="--shard", choices=SHARDINGS)  # under mlx.launch: how the target is split
 
     def __post_init__(self):
         if not self.tasks and not self.prompts_file:
@@ -426,6 +435,7 @@ def run_one(
     `serving`, from the prompt cache (prompt_s 0: its prefill is the method's own)."""
     draft_ids, target_ids = prompt_ids(pair, prompt)
     served = serving is not None and method.kind == "ours"
+    shared_before = pair.ranks.share_s
     prefix = TargetPrefix(None, 0.0) if served else prefix or TargetPrefix.of(pair, target_ids)
     if served:
         result = _run_ours(pair, None, draft_ids, target_ids, method, run, policy, scheduler, serving)
@@ -436,6 +446,7 @@ def run_one(
     else:
         result = _run_ours(pair, prefix.copy(), draft_ids, target_ids, method, run, policy, scheduler)
     result["prompt_s"], result["ttft_s"] = prefix.seconds, prefix.seconds + result["ttft_s"]
+    result["share_s"] = pair.ranks.share_s - shared_before
     tokens = len(result["output"])
     record = {
         "prompt_id": prompt.id,
@@ -536,7 +547,7 @@ def load_pair(cfg: BenchConfig):
     from omnidraft_mlx.loading import open_pair
     from omnidraft_mlx.models.pull import CATALOG_RESOLVER
 
-    opened = open_pair(cfg.draft, cfg.target, resolver=CATALOG_RESOLVER, profile=cfg.use_profile)
+    opened = open_pair(cfg.draft, cfg.target, resolver=CATALOG_RESOLVER, profile=cfg.use_profile, shard=cfg.shard)
     pair, profile, history = opened.pair, opened.profile, opened.history
     used = (
         None
@@ -555,6 +566,8 @@ def load_pair(cfg: BenchConfig):
 def run_bench(cfg: BenchConfig, progress=None) -> dict:
     """Decode every selected prompt with every method; the records and the environment."""
     pair, profile, history = load_pair(cfg)
+    if pair.ranks.group is not None:  # mlx-lm's speculative decoding would draft on every rank by itself
+        cfg = replace(cfg, mlx_lm=False)
     prompts = select_prompts(cfg, pair, progress)
     methods = methods_for(cfg, pair.vmap.same_vocab)
     policies = make_policies(cfg, methods, profile, pair.vmap)
@@ -565,6 +578,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     for method in methods:  # first calls allocate; keep them out of the numbers
         run_one(pair, method, warm, replace(run, max_tokens=WARMUP_TOKENS), policies.get(method.name))
     # One scheduler per method for the whole run, as a chat session keeps one (from after the warm-up).
+    cost = round_cost(pair.target, pair.target_tok)
     schedulers = {m.name: Scheduler() for m in methods if m.kind == "ours"}
     served = any(p.task in SERVED_TASKS for p in prompts)
     servings = {m.name: Serving.start(history) for m in methods if m.kind == "ours" and served}
@@ -572,7 +586,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     task = progress.add_task("bench", total=len(prompts) * len(methods)) if progress else None
     records, start = [], time.perf_counter()
     for i, prompt in enumerate(prompts):
-        if cfg.time_limit_s is not None and time.perf_counter() - start > cfg.time_limit_s:
+        in_time = cfg.time_limit_s is None or time.perf_counter() - start <= cfg.time_limit_s
+        if not pair.ranks.least(int(in_time)):  # every rank stops at the same prompt
             prompts = prompts[:i]  # out of time: report the prompts every method finished
             break
         target_ids = prompt_ids(pair, prompt)[1]
@@ -615,5 +630,6 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
             "profile": profile,
         },
         "environment": env,
+        "round_cost": cost,
         "records": records,
     }

@@ -176,16 +176,21 @@ def bench(
     forward_cost: str | None = typer.Option(
         None, "--forward-cost", help="Instead: plain decode speed and forward cost of these models (comma-separated)."
     ),
+    shard: str = options.SHARD,
 ) -> None:
     """Measure speed and acceptance of the decoders on the same prompts in one run.
 
     Writes bench.json (every record and the environment), summary.md and PNG plots;
-    the profile of the pair is read but never written.
+    the profile of the pair is read but never written. Under `mlx.launch` the target is
+    split over the ranks (--shard), which run the bench in step; rank 0 writes the results.
     """
     from omnidraft_mlx.blas import warn_if_slow_blas
     from omnidraft_mlx.cli.main import console, err_console
+    from omnidraft_mlx.collectives import world
 
-    warn_if_slow_blas(err_console)
+    lead = world().rank() == 0
+    if lead:
+        warn_if_slow_blas(err_console)
     if forward_cost is not None:
         return _forward_cost(forward_cost, out or Path("omnidraft-bench"))
 
@@ -215,8 +220,12 @@ def bench(
         time_limit_s=None if time_limit is None else 60 * time_limit,
         policies=[p.strip() for p in policy.split(",") if p.strip()],
         gammas=[parse_gamma(g) for g in gamma.split(",")],
+        shard=shard,
     )
     out = out or Path("omnidraft-bench") / f"{_slug(draft)}__{_slug(target)}"
+    if not lead:
+        run_bench(cfg)
+        return
     with _progress() as progress:
         result = run_bench(cfg, progress)
     files = write_results(result, out, console)

@@ -185,3 +185,33 @@ def test_ctrl_c_ends_a_chat_on_every_rank_with_its_profile_saved(tmp_path, tiny_
         assert f"Node with rank {rank} completed" in chat.before
     shown = run(tmp_path / "home", 1, "profile", "show", *pair, timeout=60)
     assert shown.returncode == 0 and "last saved" in shown.stdout, shown.stderr  # saved after the stopped reply
+
+
+def bench(home, ranks: int, tiny_dirs, out) -> dict:
+    """`omnidraft bench` of the tiny pair on `ranks` ranks: its bench.json, written by rank 0 alone."""
+    pair = ["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"])]
+    args = ["--task", "complete,chat", "--prompts", "2", "--max-tokens", "16", "--k", "3", "--no-profile"]
+    done = run(home, ranks, "bench", *pair, *args, "--out", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("wrote ") == 1, done.stdout
+    return json.loads((out / "bench.json").read_text())
+
+
+def test_bench_on_two_ranks_times_the_split_target_against_itself(tmp_path, tiny_dirs):
+    # Plain decoding leaves a step computed ahead (mlx-lm's generate_step) whose collectives, unwaited
+    # for, ran beside the next decode's on one rank and not the other: the ranks then read each
+    # other's buffers as shares (decode/plain.py).
+    split = bench(tmp_path, 2, tiny_dirs, tmp_path / "split")
+    alone = bench(tmp_path, 1, tiny_dirs, tmp_path / "alone")
+
+    def outputs(result, method):
+        return {r["prompt_id"]: r["output"] for r in result["records"] if r["method"] == method}
+
+    assert all(r["equal_to_plain"] for r in split["records"] if r["method"] != "plain")
+    assert outputs(split, "ours-k3") == outputs(split, "plain") == outputs(alone, "plain")
+    layers = json.loads((tiny_dirs["target"] / "config.json").read_text())["num_hidden_layers"]
+    cost = split["round_cost"]
+    assert (cost["ranks"], cost["shard"], cost["collectives"]) == (2, "tensor", {"AllReduce": 2 * layers})
+    assert alone["round_cost"]["collectives"] == {} and alone["round_cost"]["ranks"] == 1
+    assert all(r["share_s"] > 0 for r in split["records"] if r["kind"] == "ours")
+    assert all(r["share_s"] == 0 for r in alone["records"])

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.sample_utils import make_sampler
 
 from omnidraft_mlx.decode.ranks import ranks_of
@@ -48,14 +48,19 @@ def plain_generate(
     steps = generate_step(
         mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=sampler, prompt_cache=prompt_cache
     )
-    for token, _ in steps:
-        token = int(token)
-        now = time.perf_counter()
-        if stats.emitted == 0:
-            stats.prefill_s = now - start
-        else:
-            stats.generate_s = now - start - stats.prefill_s
-        if token in eos:
-            break
-        stats.emitted += 1
-        yield token
+    try:
+        for token, _ in steps:
+            token = int(token)
+            now = time.perf_counter()
+            if stats.emitted == 0:
+                stats.prefill_s = now - start
+            else:
+                stats.generate_s = now - start - stats.prefill_s
+            if token in eos:
+                break
+            stats.emitted += 1
+            yield token
+    finally:
+        # generate_step computes a step ahead on its own stream; across ranks that step's collectives
+        # would run beside the next ones on the default stream, in another order on each rank.
+        mx.synchronize(generation_stream)

@@ -31,7 +31,9 @@ and every rank must feed the same tokens. On one rank (ALONE) every share is the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -52,9 +54,18 @@ class Ended(Exception):
 class Ranks:
     """Who decides a round: the lead, then the others get its decisions (group None: one process)."""
 
-    def __init__(self, group: mx.distributed.Group | None = None):
-        self.group = group
+    def __init__(self, group: mx.distributed.Group | None = None, shard: str | None = None):
+        self.group, self.shard = group, shard  # shard: how the target was split (SHARDINGS)
         self.lead = group is None or group.rank() == 0
+        self.share_s = 0.0  # seconds in the shares below, waiting on the slowest rank included (the bench's)
+
+    @contextmanager
+    def _timed(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.share_s += time.perf_counter() - start
 
     def plan(self, propose: Callable[[], tuple[Round, TokenTree]]) -> tuple[Round, TokenTree]:
         """The round to verify: the lead's propose(); the others get the lead's tree, as a round of
@@ -63,9 +74,11 @@ class Ranks:
             return propose()
         if self.lead:
             proposed, tree = propose()
-            broadcast_bytes(np.array([tree.chain, *tree.tokens, *tree.parents], np.int32).tobytes(), self.group)
+            with self._timed():
+                broadcast_bytes(np.array([tree.chain, *tree.tokens, *tree.parents], np.int32).tobytes(), self.group)
             return proposed, tree
-        sent = np.frombuffer(broadcast_bytes(b"", self.group), np.int32).tolist()
+        with self._timed():
+            sent = np.frombuffer(broadcast_bytes(b"", self.group), np.int32).tolist()
         if not sent:  # a plan has at least its chain length
             raise Ended
         n = (len(sent) - 1) // 2
@@ -81,7 +94,8 @@ class Ranks:
         if self.lead:
             path, y = accept()
             sent[: len(path) + 2] = [y, len(path), *path]
-        sent = np.array(share_tree(mx.array(sent), self.group))
+        with self._timed():
+            sent = np.array(share_tree(mx.array(sent), self.group))
         return sent[2 : 2 + sent[1]].tolist(), int(sent[0])
 
     def least(self, n: int) -> int:
@@ -125,7 +139,7 @@ def shard_target(model, group: mx.distributed.Group, prefer: str = "tensor") -> 
     model.shard(group) if how == "tensor" else model.model.pipeline(group)
     mx.eval(model.parameters())
     mx.eval(all_sum(mx.array(1.0), group))  # every rank loaded: none times out waiting in the first forward
-    object.__setattr__(model, "omnidraft_ranks", Ranks(group))  # not an mlx parameter
+    object.__setattr__(model, "omnidraft_ranks", Ranks(group, how))  # not an mlx parameter
 
 
 def ranks_of(model) -> Ranks:
