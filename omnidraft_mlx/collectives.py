@@ -141,7 +141,9 @@ def share_tree(tree, group: mx.distributed.Group):
     return tree
 
 
-STUCK_S = 60.0  # after a stop signal, a main thread inside one call this long waits on a rank that has ended
+# After a stop signal, a main thread inside one call this long waits on a rank that has ended (a
+# rank's longest call, a prefill or a drafter update's slice, takes seconds).
+STUCK_S = float(os.environ.get("OMNIDRAFT_STUCK_S", "60"))
 
 
 @contextmanager

@@ -169,7 +169,8 @@ def adapt_past_an_update(home, corpus, tiny_dirs, *args, stdout=subprocess.PIPE)
         stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "OMNIDRAFT_HOME": str(home)},
+        # A rank stuck in a collective on a killed one ends 5 s after the launcher's SIGTERM, not 60 s.
+        env={**os.environ, "OMNIDRAFT_HOME": str(home), "OMNIDRAFT_STUCK_S": "5"},
     )
     for line in launcher.stderr:
         if "prompts/min" in line:

@@ -59,7 +59,7 @@ def serving_on_two_ranks(home, tiny_dirs):
         home / "server.log",
         "--shard",
         "tensor",
-        env={"OMNIDRAFT_HOME": str(home)},
+        env={"OMNIDRAFT_HOME": str(home), "OMNIDRAFT_STUCK_S": "5"},  # a rank stuck on a killed one: 5 s
         launch=launch,
     )
     ranks = rank_pids(server.proc.pid)
