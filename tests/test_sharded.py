@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 
 import mlx.core as mx
 import pexpect
@@ -187,22 +188,21 @@ def test_ctrl_c_ends_a_chat_on_every_rank_with_its_profile_saved(tmp_path, tiny_
     assert shown.returncode == 0 and "last saved" in shown.stdout, shown.stderr  # saved after the stopped reply
 
 
-def bench(home, ranks: int, tiny_dirs, out) -> dict:
-    """`omnidraft bench` of the tiny pair on `ranks` ranks: its bench.json, written by rank 0 alone."""
-    pair = ["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"])]
-    args = ["--task", "complete,chat", "--prompts", "2", "--max-tokens", "16", "--k", "3", "--no-profile"]
-    done = run(home, ranks, "bench", *pair, *args, "--out", str(out), timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.count("wrote ") == 1, done.stdout
-    return json.loads((out / "bench.json").read_text())
-
-
 def test_bench_on_two_ranks_times_the_split_target_against_itself(tmp_path, tiny_dirs):
+    # bench/sharded.py: `omnidraft bench` in one process, then on two ranks started as mlx.launch starts them.
     # Plain decoding leaves a step computed ahead (mlx-lm's generate_step) whose collectives, unwaited
     # for, ran beside the next decode's on one rank and not the other: the ranks then read each
     # other's buffers as shares (decode/plain.py).
-    split = bench(tmp_path, 2, tiny_dirs, tmp_path / "split")
-    alone = bench(tmp_path, 1, tiny_dirs, tmp_path / "alone")
+    pair = ["--draft", str(tiny_dirs["draft"]), "--target", str(tiny_dirs["target"])]
+    args = ["--task", "complete,chat", "--prompts", "2", "--max-tokens", "16", "--k", "3", "--no-profile"]
+    driver = [sys.executable, "-m", "omnidraft_mlx.bench.sharded", "--out", str(tmp_path / "out"), "--", *pair, *args]
+    done = subprocess.run(
+        driver, capture_output=True, text=True, timeout=300, env={**os.environ, "OMNIDRAFT_HOME": str(tmp_path)}
+    )
+    assert done.returncode == 0, done.stderr
+    alone, split = (
+        json.loads((tmp_path / "out" / run / "bench.json").read_text()) for run in ("one-process", "tensor")
+    )
 
     def outputs(result, method):
         return {r["prompt_id"]: r["output"] for r in result["records"] if r["method"] == method}
@@ -215,3 +215,6 @@ def test_bench_on_two_ranks_times_the_split_target_against_itself(tmp_path, tiny
     assert alone["round_cost"]["collectives"] == {} and alone["round_cost"]["ranks"] == 1
     assert all(r["share_s"] > 0 for r in split["records"] if r["kind"] == "ours")
     assert all(r["share_s"] == 0 for r in alone["records"])
+    summary = json.loads((tmp_path / "out" / "sharded.json").read_text())["summary"]
+    assert set(summary) == {"complete", "chat"}
+    assert summary["chat"]["ours-k3"]["2 ranks, tensor"]["tokens_per_round"] > 1
