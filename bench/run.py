@@ -577,8 +577,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     warm = Prompt("warmup", "chat", WARMUP_PROMPT)
     for method in methods:  # first calls allocate; keep them out of the numbers
         run_one(pair, method, warm, replace(run, max_tokens=WARMUP_TOKENS), policies.get(method.name))
-    # One scheduler per method for the whole run, as a chat session keeps one (from after the warm-up).
     cost = round_cost(pair.target, pair.target_tok)
+    # One scheduler per method for the whole run, as a chat session keeps one (from after the warm-up).
     schedulers = {m.name: Scheduler() for m in methods if m.kind == "ours"}
     served = any(p.task in SERVED_TASKS for p in prompts)
     servings = {m.name: Serving.start(history) for m in methods if m.kind == "ours" and served}
