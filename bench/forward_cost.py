@@ -14,17 +14,11 @@ import numpy as np
 
 from omnidraft_mlx.decode.kvcache import make_cache, prefill, trim_cache
 from omnidraft_mlx.decode.plain import PlainStats, plain_generate
-from omnidraft_mlx.timing import forward_seconds
+from omnidraft_mlx.timing import context_ids, widths_ms
 
 CACHED = 200  # tokens already in the KV cache, as mid-generation
 WIDTHS = (1, 4, 8)
 DECODE_TOKENS = 32
-
-
-def _context(tokenizer, n: int) -> list[int]:
-    """n token ids of ordinary English text."""
-    text = "The quick brown fox jumps over the lazy dog while the farmer counts his sheep. " * 40
-    return list(tokenizer.encode(text))[:n]
 
 
 def graph_build_ms(model, cache, x: mx.array, repeats: int) -> float:
@@ -41,13 +35,10 @@ def graph_build_ms(model, cache, x: mx.array, repeats: int) -> float:
 
 
 def forward_cost(model, tokenizer, repeats: int = 5) -> dict:
-    ids = _context(tokenizer, CACHED + max(WIDTHS))
+    ids = context_ids(tokenizer, CACHED + max(WIDTHS))
     cache = make_cache(model)
     prefill(model, cache, ids[:CACHED])
-    forward_ms = {}
-    for width in WIDTHS:
-        times = forward_seconds(model, mx.array(ids[CACHED : CACHED + width])[None], cache, repeats + 1)
-        forward_ms[str(width)] = 1000 * float(np.median(times[1:]))  # the first is a warm-up
+    forward_ms = widths_ms(model, cache, ids[CACHED:], WIDTHS, repeats)
     build_ms = graph_build_ms(model, cache, mx.array(ids[CACHED : CACHED + 1])[None], repeats)
     stats = PlainStats()
     for _ in plain_generate(model, tokenizer, ids[:CACHED], stats, max_tokens=DECODE_TOKENS):

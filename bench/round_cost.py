@@ -18,7 +18,7 @@ import numpy as np
 from omnidraft_mlx.collectives import all_sum
 from omnidraft_mlx.decode.kvcache import make_cache, prefill, trim_cache
 from omnidraft_mlx.decode.ranks import ranks_of
-from omnidraft_mlx.timing import forward_seconds
+from omnidraft_mlx.timing import context_ids, widths_ms
 
 WIDTHS = (1, 2, 4, 8)
 PREFIX = 64  # tokens in the cache before the timed forwards
@@ -50,16 +50,13 @@ def collective_ms(group, hidden: int, width: int, dtype, repeats: int) -> float:
 def round_cost(model, tokenizer, repeats: int = 6) -> dict:
     """Per width: the forward's median milliseconds and (split) one collective's; the forward's collectives."""
     ranks = ranks_of(model)
-    ids = list(tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20))[: PREFIX + max(WIDTHS)]
+    ids = context_ids(tokenizer, PREFIX + max(WIDTHS))
     cache = make_cache(model)
     hidden = prefill(model, cache, ids[:PREFIX])  # its width and dtype: what a forward's collectives carry
-    x = {w: mx.array(ids[PREFIX : PREFIX + w])[None] for w in WIDTHS}
-    counts = collectives(model, cache, x[1])
-    widths = {}
-    for w in WIDTHS:
-        forward = forward_seconds(model, x[w], cache, repeats + 1)
-        widths[str(w)] = {"forward_ms": 1000 * float(np.median(forward[1:]))}
-        if ranks.group is not None:
-            widths[str(w)]["collective_ms"] = collective_ms(ranks.group, hidden.shape[-1], w, hidden.dtype, repeats + 1)
+    counts = collectives(model, cache, mx.array(ids[PREFIX : PREFIX + 1])[None])
+    widths = {w: {"forward_ms": ms} for w, ms in widths_ms(model, cache, ids[PREFIX:], WIDTHS, repeats).items()}
+    if ranks.group is not None:
+        for w, cost in widths.items():
+            cost["collective_ms"] = collective_ms(ranks.group, hidden.shape[-1], int(w), hidden.dtype, repeats + 1)
     size = 1 if ranks.group is None else ranks.group.size()
     return {"ranks": size, "shard": ranks.shard, "collectives": counts, "widths": widths}

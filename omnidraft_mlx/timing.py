@@ -1,5 +1,5 @@
-"""How fast: forwards timed one way, and the speedup every report gives (the chat's estimate,
-the bench's tables)."""
+"""How fast: forwards timed one way (over several widths, on ordinary text), and the speedup every
+report gives (the chat's estimate, the bench's tables)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,22 @@ def forward_seconds(model, x: mx.array, cache, repeats: int, trim: bool = True) 
         if trim:
             trim_cache(cache, x.shape[1])
     return times
+
+
+def context_ids(tokenizer, n: int) -> list[int]:
+    """n token ids of ordinary English text."""
+    text = "The quick brown fox jumps over the lazy dog while the farmer counts his sheep. " * 40
+    return list(tokenizer.encode(text))[:n]
+
+
+def widths_ms(model, cache, ids: list[int], widths, repeats: int) -> dict[str, float]:
+    """Median milliseconds of a forward over the first w of `ids` after what `cache` holds, for each
+    width w (the cache trimmed back after each; one more forward first, a warm-up)."""
+    ms = {}
+    for w in widths:
+        times = forward_seconds(model, mx.array(ids[:w])[None], cache, repeats + 1)
+        ms[str(w)] = 1000 * float(np.median(times[1:]))
+    return ms
 
 
 def prompt_speedup(tokens_per_s: float | None, plain_tokens_per_s: float | None) -> float | None:
