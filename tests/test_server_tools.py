@@ -93,8 +93,10 @@ def test_malformed_tool_calls_come_back_as_text():
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>',  # not JSON
         '<tool_call>\n["get_weather"]\n</tool_call>',  # JSON, not a call
         '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
-        '<tool_call>\n{"name": "get_weather", "arguments": {"ci',
-    ]:  # cut short (max_tokens)
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": NaN}}\n</tool_call>',  # no JSON reply holds NaN
+        '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": 1e400}"}\n</tool_call>',  # inf
+        '<tool_call>\n{"name": "get_weather", "arguments": {"ci',  # cut short (max_tokens)
+    ]:
         assert split("ok " + bad, [4, 12]) == [("text", "ok " + bad)]
     assert split("a <tool_ca", [3]) == [("text", "a <tool_ca")]  # held back, then let go at the end
 
@@ -134,6 +136,7 @@ def test_other_replies_to_auto_stay_text_wherever_the_pieces_break():
         '"arguments": {"city": "Paris"}}',  # two calls, not in a list (the 0.5B after a tool's result)
         '{"name": "get_weather", "description": "w", "parameters": {"type": "object"}}',  # a definition
         '{"name": "get_weather", "arguments": "Paris"}',
+        '{"name": "get_weather", "arguments": {"city": Infinity}}',
         '{"name": "get_weather"}',
         "[]",
         "{}",

@@ -11,6 +11,7 @@ before the request is encoded; each refusal names the serve flag that raises it.
 from __future__ import annotations
 
 import json
+import math
 from typing import Literal
 
 from fastapi import Request
@@ -18,6 +19,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omnidraft_mlx.serve.config import Limits
 from omnidraft_mlx.settings import flag_of
+
+
+def strict_json(text: str | bytes):
+    """JSON as RFC 8259 writes it: Python's reader also takes NaN, Infinity and numbers past a double
+    (1e400 reads as inf), which no JSON reply can carry back. ValueError names what it met."""
+
+    def finite(number: str) -> float:
+        if not math.isfinite(value := float(number)):
+            raise ValueError(f"{number} is not a finite number")
+        return value
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON (numbers must be finite)")
+
+    return json.loads(text, parse_float=finite, parse_constant=refuse)
 
 
 class ApiError(Exception):
@@ -204,7 +220,7 @@ def chat_messages(req: ChatRequest) -> list[dict]:
 def arguments(args: str | dict, where: str) -> dict:
     """A call's arguments as an object (templates write them as one)."""
     try:
-        args = args if isinstance(args, dict) else json.loads(args or "{}")
+        args = args if isinstance(args, dict) else strict_json(args or "{}")
     except ValueError:
         args = None
     if not isinstance(args, dict):
@@ -244,7 +260,7 @@ async def parse(request: Request, kind: type[BaseModel], limits: Limits):
             code="unsupported_media_type",
         )
     try:
-        data = json.loads(await read_body(request, limits))
+        data = strict_json(await read_body(request, limits))
     except ValueError as e:  # also bad UTF-8
         raise ApiError(400, f"the request body is not valid JSON ({e})") from None
     except RecursionError:  # nested far past any limit: the parser gave up

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from omnidraft_mlx.prompts import encode_prompt, has_chat_template
-from omnidraft_mlx.serve.schema import ApiError, ChatRequest
+from omnidraft_mlx.serve.schema import ApiError, ChatRequest, strict_json
 
 
 @dataclass
@@ -121,13 +121,13 @@ def parse_calls(fmt: ToolFormat, text: str) -> list[dict] | None:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
         args = call.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                json.loads(args)
-            except ValueError:
-                return None
-        else:
-            args = json.dumps(args, ensure_ascii=False)
+        try:  # model output: arguments that no JSON reply can carry (NaN) make it text, not a call
+            if isinstance(args, str):
+                strict_json(args)
+            else:
+                args = json.dumps(args, ensure_ascii=False, allow_nan=False)
+        except ValueError:
+            return None
         calls.append(openai_call(call["name"], args))
     return calls
 
@@ -207,7 +207,7 @@ def json_calls(text: str, tools: list[dict], fenced: bool = False) -> list[dict]
 def calls_in(value: str, tools: list[dict]) -> list[dict] | None:
     """The calls of json_calls in the text of its JSON value; None if it holds something else."""
     try:
-        parsed = json.loads(value)
+        parsed = strict_json(value)
     except ValueError:  # {{...}}: Qwen2.5-Coder-1.5B copies its template's doubled braces
         return calls_in(value[1:-1], tools) if value.startswith("{{") and value.endswith("}}") else None
     names, calls = [t["function"]["name"] for t in tools], []
