@@ -169,10 +169,18 @@ def handle_signals(
     wake.setblocking(False)
     previous_fd = signal.set_wakeup_fd(wake.fileno(), warn_on_full_buffer=False)
     done = threading.Event()
-    threading.Thread(target=_end_when_stuck, args=(woken, signals, done, group, say), daemon=True).start()
+    threading.Thread(target=_end_when_stuck, args=(wake, woken, signals, done, group, say), daemon=True).start()
     try:
         yield
-    finally:
+    except BaseException:
+        # Left by an error (a lost rank, a second Ctrl-C), this rank is ending. mlx.launch sends the
+        # other ranks SIGTERM when one ends, often while they unwind the error that caused: its default
+        # action would end this rank before it said why. Signals now do nothing but wake the watcher,
+        # which still ends a rank stuck on its way out.
+        for sig in previous:
+            signal.signal(sig, lambda signum, frame: None)
+        raise
+    else:
         signal.set_wakeup_fd(previous_fd)  # before the watcher closes its end (done)
         done.set()
         wake.close()
@@ -180,8 +188,10 @@ def handle_signals(
             signal.signal(sig, old)
 
 
-def _end_when_stuck(woken: socket.socket, signals, done: threading.Event, group, say) -> None:
-    with woken:  # open while the wakeup fd may be written to (a further signal): a closed one fails the write
+def _end_when_stuck(wake: socket.socket, woken: socket.socket, signals, done: threading.Event, group, say) -> None:
+    """Once one of `signals` arrives (its byte on `woken`), end the process if the main thread stays in
+    one call for STUCK_S; `wake`, the end signal.set_wakeup_fd writes to, is held open until then."""
+    with wake, woken:  # open while the wakeup fd may be written to (a further signal): a closed one fails the write
         while (data := woken.recv(64)) and not any(s in signals for s in data):
             pass
         main, seen, since = threading.main_thread().ident, None, time.monotonic()
