@@ -543,7 +543,8 @@ def main(argv=None) -> None:
     if args.phase == "record":
         recordings(pair, work, max(args.sizes))
     if args.phase in ("all", "accept"):
-        result = accept(pair, work, args.sizes, args.steps, {"target": args.target, "draft": args.draft})
+        earlier = json.loads(accepted.read_text()) if accepted.exists() else None
+        result = accept(pair, work, args.sizes, args.steps, {"target": args.target, "draft": args.draft}, earlier)
         accepted.write_text(json.dumps(result))
     if args.phase in ("all", "price"):
         price_and_write(json.loads(accepted.read_text()), pair, args.out)
@@ -564,8 +565,10 @@ def recordings(pair, work: Path, replies: int) -> tuple[list[dict], Recording, R
     return held, heldout, Recording.concat(chunks)
 
 
-def accept(pair, work: Path, sizes: list[int], steps_for: list[int], names: dict) -> dict:
-    """Train the heads on each N and keep each one's chains on the held-out replies."""
+def accept(pair, work: Path, sizes: list[int], steps_for: list[int], names: dict, earlier: dict | None = None) -> dict:
+    """Train the heads on each N and keep each one's chains on the held-out replies. An earlier result
+    made with the same settings keeps its heads of other sizes and lends its drafter's runs (greedy: the
+    same again), so a larger N is added without training the smaller ones again."""
     target = pair.target
     held, heldout, train_all = recordings(pair, work, max(sizes))
 
@@ -582,6 +585,11 @@ def accept(pair, work: Path, sizes: list[int], steps_for: list[int], names: dict
         "draft_vocab": DRAFT_VOCAB,
         "heads": [],
     }
+    if earlier is not None and all(earlier.get(key) == value for key, value in result.items() if key != "heads"):
+        result["heads"] = [h for h in earlier["heads"] if h["replies"] not in sizes]
+        print(f"kept from the earlier result: N={sorted({h['replies'] for h in result['heads']})}", flush=True)
+    else:
+        earlier = None
     for n, steps in zip(sizes, steps_for):
         rec = train_all.replies(n)
         draft_ids = draft_vocabulary(rec, DRAFT_VOCAB)
@@ -612,6 +620,10 @@ def accept(pair, work: Path, sizes: list[int], steps_for: list[int], names: dict
                 + ", ".join(f"{t} {v['acceptance'][0]:.3f}" for t, v in per_task.items()),
                 flush=True,
             )
+    result["heads"].sort(key=lambda h: h["replies"])  # stable: each N's heads keep their order
+    if earlier is not None:
+        result["drafter"] = earlier["drafter"]
+        return result
     print("the drafter on the same replies", flush=True)
     result["drafter"] = {
         task: {"acceptance": acceptance(runs), "runs": [r.tolist() for r in runs]}
