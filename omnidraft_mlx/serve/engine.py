@@ -318,15 +318,18 @@ class Engine:
     def _finish(self, running: Running) -> None:
         """A job whose reply is over: its caches to the prompt cache, its result to its client,
         its reply to learning. A failure here fails this job only."""
-        self.active.remove(running)
         try:
             result, ids = self.jobs.finish(running)
         except Exception as e:  # its caches are not kept
-            self._fail(running.job, e)
+            try:
+                self._fail(running.job, e)
+            finally:
+                self.active.remove(running)
             return
-        running.job.emit("done", result)
         self.served += 1
         self.cancelled += result.finish_reason == "cancelled"
+        self.active.remove(running)  # once counted: /health never shows a reply neither generating nor counted
+        running.job.emit("done", result)
         if not self.cfg.learns_from(running.job.key_name):  # the operator's choice (--learn-from)
             return
         try:  # the reply is out: a failure to learn from it costs only that lesson
@@ -337,13 +340,15 @@ class Engine:
 
     def _drop(self, running: Running, error: Exception) -> None:
         """A job whose round failed: out of the batch, its caches not kept, its client told."""
-        self.active.remove(running)
         try:
             self.jobs.finish(running, intact=False)
         except Exception as e:
             if not lost_a_rank(e):  # that one is said once, by _fail
                 log.error("closing a failed request's decoding failed:\n%s", traceback.format_exc())
-        self._fail(running.job, error)
+        try:
+            self._fail(running.job, error)
+        finally:
+            self.active.remove(running)  # once counted, as in _finish
 
     def _fail(self, job: Job, error: Exception) -> None:
         """Tell the job's client; a rank of mlx.launch that has ended ends the server (raised)."""
