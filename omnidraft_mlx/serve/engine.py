@@ -321,10 +321,7 @@ class Engine:
         try:
             result, ids = self.jobs.finish(running)
         except Exception as e:  # its caches are not kept
-            try:
-                self._fail(running.job, e)
-            finally:
-                self.active.remove(running)
+            self._fail_active(running, e)
             return
         self.served += 1
         self.cancelled += result.finish_reason == "cancelled"
@@ -345,6 +342,9 @@ class Engine:
         except Exception as e:
             if not lost_a_rank(e):  # that one is said once, by _fail
                 log.error("closing a failed request's decoding failed:\n%s", traceback.format_exc())
+        self._fail_active(running, error)
+
+    def _fail_active(self, running: Running, error: Exception) -> None:
         try:
             self._fail(running.job, error)
         finally:
