@@ -585,11 +585,10 @@ def accept(pair, work: Path, sizes: list[int], steps_for: list[int], names: dict
         "draft_vocab": DRAFT_VOCAB,
         "heads": [],
     }
-    if earlier is not None and all(earlier.get(key) == value for key, value in result.items() if key != "heads"):
+    same = earlier is not None and all(earlier.get(key) == value for key, value in result.items() if key != "heads")
+    if same:
         result["heads"] = [h for h in earlier["heads"] if h["replies"] not in sizes]
         print(f"kept from the earlier result: N={sorted({h['replies'] for h in result['heads']})}", flush=True)
-    else:
-        earlier = None
     for n, steps in zip(sizes, steps_for):
         rec = train_all.replies(n)
         draft_ids = draft_vocabulary(rec, DRAFT_VOCAB)
@@ -621,7 +620,7 @@ def accept(pair, work: Path, sizes: list[int], steps_for: list[int], names: dict
                 flush=True,
             )
     result["heads"].sort(key=lambda h: h["replies"])  # stable: each N's heads keep their order
-    if earlier is not None:
+    if same:
         result["drafter"] = earlier["drafter"]
         return result
     print("the drafter on the same replies", flush=True)
