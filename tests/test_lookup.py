@@ -261,6 +261,24 @@ def test_a_drafter_that_pays_on_average_keeps_its_rounds():
     assert late.count("drafter") >= 0.9 * len(late)
 
 
+@pytest.mark.parametrize("rate, waits", [(0.95, [16, 16, 16]), (0.7, [16, 32, 64])])
+def test_a_probe_lost_within_its_noise_is_tried_again_as_soon(rate, waits):
+    """A 4-round probe's rate is noisy: a drafter that lost to plain by less than that (0.95 against
+    1 token/s) is probed every 16 rounds, as one that won would be; one well behind (0.7) waits
+    twice as long after each lost probe."""
+    scheduler, ctx = Scheduler(), Context([0])
+    reply = scheduler.begin_reply([Steady(list(range(100)))], True, ctx)
+    chosen = []
+    for _ in range(200):
+        proposed = scheduler.propose(reply, ctx, 8)
+        tokens, seconds = (2, 2 / rate) if proposed.draft.source == "drafter" else (1, 1.0)
+        timing = dict(tokens=tokens, draft_s=0.0, verify_s=seconds, round_s=seconds)
+        scheduler.settle(proposed, tokens - 1, timing, len(proposed.draft.tokens), 0)
+        chosen.append(proposed.draft.source)
+    starts = [i for i, source in enumerate(chosen) if source == "drafter" and chosen[i - 1] != "drafter"]
+    assert [b - a - 3 for a, b in zip(starts, starts[1:])][:3] == waits  # rounds from a probe's last to the next
+
+
 class Copy(DraftSource):
     """A lookup that finds the reply's next four tokens, right on the first `right` of them."""
 

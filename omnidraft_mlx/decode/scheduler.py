@@ -15,8 +15,10 @@ The guard is the plain option: while no source is expected to beat plain
 decoding, the loop decodes plainly. The drafter or plain, not chosen for a while,
 is probed (the text may have changed): tried for a few rated rounds (plain for
 one: a plain step always makes one token), then judged against the best of the
-others; each lost probe doubles the wait. A round in which the drafter first caught up on text that lookups
-drafted costs more than its usual round and is not rated. The best lookup found
+others; each probe lost by more than a few rounds' noise (`tie`) doubles the wait (a
+near-tie lost by chance would otherwise shut out an option that pays for the rest of the
+run). A round in which the drafter first caught up on text that lookups drafted costs
+more than its usual round and is not rated. The best lookup found
 is also the drafter's guess, read ahead in one forward (drafter.py). The chosen
 draft is padded with looked-up tokens to the length that verifies fastest (not
 monotone: widths.py). A scheduler outlives a reply (chat, serve and bench keep
@@ -109,9 +111,11 @@ class Scheduler:
         probe_every: int = 16,
         probe_rounds: int = 4,
         max_wait: int = 256,
+        tie: float = 0.15,
     ):
         self.decay, self.hold_decay = decay, hold_decay
         self.probe_every, self.probe_rounds, self.max_wait = probe_every, probe_rounds, max_wait
+        self.tie = tie  # a probe's rate this far below its rival's is a tie, not a loss
         self.rates: dict[str, Rate] = {}
         self.holds: dict[str, Hold] = {}
         self.costs = VerifyCost(decay)  # seconds to verify each draft length
@@ -243,7 +247,7 @@ class Scheduler:
         if rate.trial:
             rate.trial -= 1
             if not rate.trial:  # the probe is over: judge it
-                lost = proposed.rival is not None and rate.per_s() < proposed.rival
+                lost = proposed.rival is not None and rate.per_s() < (1 - self.tie) * proposed.rival
                 rate.wait = min(2 * rate.wait, self.max_wait) if lost else self.probe_every
 
     def _write(self, proposed: Round, accepted: int, width: int, timing: dict) -> None:
