@@ -7,6 +7,7 @@ that the machinery measures the right things and that greedy outputs agree.
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import typer
@@ -406,3 +407,31 @@ def test_first_run_times_a_new_machine_against_plain_and_warm(tiny_dirs, tmp_pat
     for row in result["prompts"]:
         assert row["plain"]["text"].strip() and all(0 < row[run]["first_byte_s"] < row[run]["total_s"] for run in RUNS)
     assert result["config"]["readme_runs"] == 1 and (tmp_path / "first_run.png").stat().st_size > 0
+
+
+def test_paired_compares_two_runs_prompt_by_prompt(tmp_path, capsys):
+    """bench/paired.py: a run against itself is 1 everywhere; against a run whose write prompts were
+    twice as fast, write is 0.5 and the whole in between, each prompt's pair kept apart."""
+    from omnidraft_mlx.bench.paired import main, paired, speedups
+
+    def run(name: str, write_speedup: float) -> Path:
+        records = [
+            {"task": task, "prompt_id": f"{task}/{i}", "method": method, "speedup": s}
+            for task, s in (("write", write_speedup), ("math", 1.0))
+            for i in range(10)
+            for method in ("plain", "fused-learned")
+        ]
+        for r in records:
+            r["speedup"] = 1.0 if r["method"] == "plain" else r["speedup"] * (1 + int(r["prompt_id"][-1]) / 10)
+        (tmp_path / name).write_text(json.dumps({"records": records}))
+        return tmp_path / name
+
+    a, b = run("a.json", 1.2), run("b.json", 2.4)
+    same = paired(speedups(a), speedups(a))
+    assert [(r["task"], r["prompts"]) for r in same] == [("math", 10), ("write", 10), ("all", 20)]
+    assert all(r["ratio"] == r["low"] == r["high"] == pytest.approx(1.0) for r in same)
+    rows = {r["task"]: r for r in paired(speedups(a), speedups(b))}
+    assert rows["write"]["ratio"] == rows["write"]["min"] == rows["write"]["max"] == pytest.approx(0.5)
+    assert rows["all"]["ratio"] == pytest.approx(0.5**0.5) and rows["all"]["low"] < 0.65 < 0.77 < rows["all"]["high"]
+    main([str(a), str(b)])
+    assert "| write | 10 | 0.500 | 0.500-0.500 | 0.50-0.50 |" in capsys.readouterr().out
