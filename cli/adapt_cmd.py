@@ -194,10 +194,12 @@ def _stop_on_signals(stop: threading.Event, group):
     from omnidraft_mlx.collectives import handle_signals
 
     where = f"rank {group.rank()}: " if group.size() > 1 else ""
+    at_once = threading.Event()
 
     def on_signal(signum, frame):
         name = signal.Signals(signum).name
         if stop.is_set():
+            at_once.set()
             err_console.print(f"{where}{name} again: stopping at once; what was learned since the last save is lost")
             raise KeyboardInterrupt  # exit 130
         stop.set()
@@ -207,10 +209,26 @@ def _stop_on_signals(stop: threading.Event, group):
             soft_wrap=True,
         )
 
-    with handle_signals(
-        on_signal, (signal.SIGINT, signal.SIGTERM), group, lambda s: err_console.print(s, soft_wrap=True)
-    ):
-        yield
+    passed_on = sys.unraisablehook
+
+    def dropped(unraisable):
+        """A handler that runs while Python is inside a __del__ (a garbage collection can start one at any
+        moment) raises there, and Python prints the exception and goes on: the update under way would
+        finish and be saved. A dropped KeyboardInterrupt of the second signal ends the process instead."""
+        if at_once.is_set() and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        passed_on(unraisable)
+
+    sys.unraisablehook = dropped
+    try:
+        with handle_signals(
+            on_signal, (signal.SIGINT, signal.SIGTERM), group, lambda s: err_console.print(s, soft_wrap=True)
+        ):
+            yield
+    finally:
+        sys.unraisablehook = passed_on
 
 
 def _pick_mode(mode: str | None, samples) -> str:
