@@ -524,6 +524,7 @@ def main(argv=None) -> None:
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="replies each head learns from")
     ap.add_argument("--steps", type=int, nargs="+", default=STEPS, help="training steps for each of --sizes")
+    ap.add_argument("--heads", nargs="+", choices=tuple(HEADS), default=tuple(HEADS), help="heads to train")
     ap.add_argument(
         "--phase",
         choices=("all", "record", "accept", "price"),
@@ -544,7 +545,8 @@ def main(argv=None) -> None:
         recordings(pair, work, max(args.sizes))
     if args.phase in ("all", "accept"):
         earlier = json.loads(accepted.read_text()) if accepted.exists() else None
-        result = accept(pair, work, args.sizes, args.steps, {"target": args.target, "draft": args.draft}, earlier)
+        names = {"target": args.target, "draft": args.draft}
+        result = accept(pair, work, args.sizes, args.steps, names, earlier, tuple(args.heads))
         accepted.write_text(json.dumps(result))
     if args.phase in ("all", "price"):
         price_and_write(json.loads(accepted.read_text()), pair, args.out)
@@ -565,7 +567,15 @@ def recordings(pair, work: Path, replies: int) -> tuple[list[dict], Recording, R
     return held, heldout, Recording.concat(chunks)
 
 
-def accept(pair, work: Path, sizes: list[int], steps_for: list[int], names: dict, earlier: dict | None = None) -> dict:
+def accept(
+    pair,
+    work: Path,
+    sizes: list[int],
+    steps_for: list[int],
+    names: dict,
+    earlier: dict | None = None,
+    heads: tuple[str, ...] = tuple(HEADS),
+) -> dict:
     """Train the heads on each N and keep each one's chains on the held-out replies. An earlier result
     made with the same settings keeps its heads of other sizes and lends its drafter's runs (greedy: the
     same again), so a larger N is added without training the smaller ones again."""
@@ -597,7 +607,8 @@ def accept(pair, work: Path, sizes: list[int], steps_for: list[int], names: dict
         covered = float(np.mean(to_draft[heldout.labels] >= 0))
         table = next_token_table(rec, vocab)
         evaluated = [("table", [table_chains(table, t) for _, t, _ in heldout.of_all()], {})]
-        for name, kind in HEADS.items():
+        for name in heads:
+            kind = HEADS[name]
             print(f"N={n}: {len(rec.tokens)} positions; training the {name} head for {steps} steps", flush=True)
             head = kind(dims, lm_head[mx.array(draft_ids)].astype(mx.float32))
             start = time.monotonic()
