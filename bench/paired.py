@@ -6,7 +6,9 @@ changes do (plain decoding's own time varies 10-20 % a prompt; a near-tie betwee
 plain steps goes either way), so a change is judged on the pairs: an interval holding 1 is no
 measurable difference.
 
-    ./run.sh python -m omnidraft_mlx.bench.paired A/bench.json B/bench.json
+    ./run.sh python -m omnidraft_mlx.bench.paired A/bench.json --against B/bench.json
+
+Several runs of each (A1 A2 --against B1 B2) pool their pairs: A1's prompts with B1's, A2's with B2's.
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ from omnidraft_mlx.bench.report import ALL
 BOOTSTRAP = 2000
 
 
-def speedups(path: Path) -> dict[tuple[str, str], float]:
-    """(task, prompt id) -> the speedup of its speculative method over plain decoding."""
-    records = json.loads(Path(path).read_text())["records"]
-    return {(r["task"], r["prompt_id"]): r["speedup"] for r in records if r["method"] != "plain"}
+def speedups(*paths: Path) -> dict[tuple[str, str], float]:
+    """(task, prompt id) -> the speedup of its speculative method over plain decoding; several runs'
+    prompts are told apart by the run's place in `paths`."""
+    out = {}
+    for run, path in enumerate(paths):
+        records = json.loads(Path(path).read_text())["records"]
+        tag = f"#{run}" if len(paths) > 1 else ""
+        out.update({(r["task"], r["prompt_id"] + tag): r["speedup"] for r in records if r["method"] != "plain"})
+    return out
 
 
 def paired(a: dict, b: dict, seed: int = 0) -> list[dict]:
@@ -52,12 +59,14 @@ def paired(a: dict, b: dict, seed: int = 0) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("a", type=Path, help="bench.json of the run compared")
-    ap.add_argument("b", type=Path, help="bench.json of the run it is compared with")
+    ap.add_argument("a", type=Path, nargs="+", help="bench.json of the run (or runs) compared")
+    ap.add_argument("--against", type=Path, nargs="+", required=True, help="bench.json of the runs compared with")
     args = ap.parse_args(argv)
+    if len(args.a) != len(args.against):
+        ap.error(f"{len(args.a)} runs against {len(args.against)}: give as many of each (run i pairs with run i)")
     print("| task | prompts | speedup A / B (geometric mean) | 95 % interval | prompts' range |")
     print("|---|---|---|---|---|")
-    for r in paired(speedups(args.a), speedups(args.b)):
+    for r in paired(speedups(*args.a), speedups(*args.against)):
         print(
             f"| {r['task']} | {r['prompts']} | {r['ratio']:.3f} | {r['low']:.3f}-{r['high']:.3f} "
             f"| {r['min']:.2f}-{r['max']:.2f} |"

@@ -433,5 +433,7 @@ def test_paired_compares_two_runs_prompt_by_prompt(tmp_path, capsys):
     rows = {r["task"]: r for r in paired(speedups(a), speedups(b))}
     assert rows["write"]["ratio"] == rows["write"]["min"] == rows["write"]["max"] == pytest.approx(0.5)
     assert rows["all"]["ratio"] == pytest.approx(0.5**0.5) and rows["all"]["low"] < 0.65 < 0.77 < rows["all"]["high"]
-    main([str(a), str(b)])
+    main([str(a), "--against", str(b)])
     assert "| write | 10 | 0.500 | 0.500-0.500 | 0.50-0.50 |" in capsys.readouterr().out
+    main([str(a), str(b), "--against", str(b), str(b)])  # two runs of each: 20 pairs, half of them 1
+    assert "| write | 20 | 0.707 |" in capsys.readouterr().out
