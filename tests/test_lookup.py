@@ -275,7 +275,7 @@ def test_a_probe_lost_within_its_noise_is_tried_again_as_soon(rate, waits):
         timing = dict(tokens=tokens, draft_s=0.0, verify_s=seconds, round_s=seconds)
         scheduler.settle(proposed, tokens - 1, timing, len(proposed.draft.tokens), 0)
         chosen.append(proposed.draft.source)
-    starts = [i for i, source in enumerate(chosen) if source == "drafter" and chosen[i - 1] != "drafter"]
+    starts = [i for i, source in enumerate(chosen) if source == "drafter" and (i == 0 or chosen[i - 1] != "drafter")]
     assert [b - a - 3 for a, b in zip(starts, starts[1:])][:3] == waits  # rounds from a probe's last to the next
 
 
